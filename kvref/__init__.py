@@ -1,0 +1,85 @@
+"""kvref: a readable reference of vLLM v1's KV cache layer (vLLM v0.25.1).
+
+Three layers, as in vLLM::
+
+    KVCacheManager          scheduler-facing facade       kv_cache_manager.py
+      KVCacheCoordinator    one manager per KV group      kv_cache_coordinator.py
+        SingleTypeKVCacheManager (full, window, ...)      single_type_kv_cache_manager.py
+          BlockPool         blocks, free queue, index     block_pool.py
+
+Everything public is importable from here: ``from kvref import KVCacheManager``.
+"""
+
+# Import order matters: the coordinator module pulls in the hybrid one, and the
+# manager module the Mamba one, after defining what those build on.
+from kvref.hashing import sha256, sha256_cbor
+from kvref.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvref.kv_cache_utils import (
+    BlockHashListWithBlockSize,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    get_request_block_hasher,
+    hash_block_tokens,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
+from kvref.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvref.request import (
+    LoRARequest,
+    MultiModalFeatureSpec,
+    PlaceholderRange,
+    Request,
+    RequestStatus,
+)
+from kvref.stats import PrefixCacheStats
+from kvref.block_pool import BlockHashToBlockMap, BlockPool
+from kvref.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
+    CrossAttentionManager,
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+    get_manager_for_kv_cache_spec,
+)
+from kvref.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
+from kvref.kv_cache_manager import KVCacheBlocks, KVCacheManager
+
+__version__ = "0.1.0"
+VLLM_VERSION = "0.25.1"
+
+__all__ = [
+    "AllBlocksCleared", "AttentionSpec", "BlockHashListWithBlockSize", "BlockHashToBlockMap",
+    "BlockPool", "BlockRemoved", "BlockStored", "ChunkedLocalAttentionManager",
+    "ChunkedLocalAttentionSpec", "CrossAttentionManager", "CrossAttentionSpec",
+    "FreeKVCacheBlockQueue", "FullAttentionManager", "FullAttentionSpec",
+    "HybridKVCacheCoordinator", "KVCacheBlock", "KVCacheBlocks", "KVCacheConfig",
+    "KVCacheCoordinator", "KVCacheCoordinatorNoPrefixCache", "KVCacheGroupSpec",
+    "KVCacheManager", "KVCacheSpec", "KVCacheSpecKind", "LoRARequest", "MambaManager",
+    "MambaSpec", "MultiModalFeatureSpec", "PlaceholderRange", "PrefixCacheStats", "Request",
+    "RequestStatus", "SingleTypeKVCacheManager", "SlidingWindowManager",
+    "SlidingWindowSpec", "UnitaryKVCacheCoordinator", "generate_block_hash_extra_keys",
+    "get_block_hash", "get_group_id", "get_kv_cache_coordinator",
+    "get_manager_for_kv_cache_spec", "get_request_block_hasher", "hash_block_tokens",
+    "init_none_hash", "make_block_hash_with_group_id", "sha256", "sha256_cbor",
+]

@@ -1,0 +1,239 @@
+"""The coordinator: one pool, one manager per KV cache group, one agreed prefix hit.
+
+Mirrors ``vllm/v1/core/kv_cache_coordinator.py``. The manager facade talks to a
+coordinator; the coordinator fans each call out to the groups' managers and,
+for prefix caching, finds the longest hit *every* group can serve:
+
+- ``KVCacheCoordinatorNoPrefixCache``: caching off; any number of groups.
+- ``UnitaryKVCacheCoordinator``: one group; its manager's hit is the hit.
+- ``HybridKVCacheCoordinator``: several groups (full attention + sliding
+  window, + Mamba, ...); the hit is a fixed point, see its docstring.
+
+``get_kv_cache_coordinator`` picks one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvref.block_pool import BlockPool
+from kvref.kv_cache_interface import CrossAttentionSpec, KVCacheConfig, KVCacheSpec
+from kvref.kv_cache_utils import KVCacheBlock
+from kvref.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
+
+HitBlocks = tuple[list[KVCacheBlock], ...]
+
+
+class KVCacheCoordinator(ABC):
+    """Holds the pool and the managers; the calls every coordinator shares."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
+                 max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
+                 enable_kv_cache_events: bool, scheduler_block_size: int,
+                 hash_block_size: int) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        if scheduler_block_size <= 0 or hash_block_size <= 0:
+            raise ValueError(f"scheduler_block_size ({scheduler_block_size}) and "
+                             f"hash_block_size ({hash_block_size}) must be positive")
+        if scheduler_block_size % hash_block_size != 0:
+            raise ValueError(f"scheduler_block_size {scheduler_block_size} is not a "
+                             f"multiple of hash_block_size {hash_block_size}")
+        for i, group in enumerate(groups):
+            if scheduler_block_size % group.kv_cache_spec.block_size != 0:
+                raise ValueError(f"kv_cache_groups[{i}] block_size "
+                                 f"{group.kv_cache_spec.block_size} does not divide "
+                                 f"scheduler_block_size {scheduler_block_size}")
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching,
+                                    hash_block_size, enable_kv_cache_events)
+        # Groups whose hits drop the last block for EAGLE; all of them when
+        # EAGLE is on but no group is marked.
+        self.eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
+        if use_eagle and not self.eagle_group_ids:
+            self.eagle_group_ids = set(range(len(groups)))
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(
+                group.kv_cache_spec, max_num_batched_tokens, max_model_len,
+                block_pool=self.block_pool, enable_caching=enable_caching,
+                kv_cache_group_id=i, scheduler_block_size=scheduler_block_size)
+            for i, group in enumerate(groups))
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+                                   num_encoder_tokens: int, total_computed_tokens: int,
+                                   num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        """Sum over groups of the free blocks the step would take.
+        Cross-attention groups count one static allocation of the encoder tokens."""
+        total = 0
+        for manager, hit in zip(self.single_type_managers, new_computed_blocks):
+            if isinstance(manager, CrossAttentionManager):
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_encoder_tokens, [], 0, num_encoder_tokens,
+                    apply_admission_cap)
+            else:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_tokens, hit, total_computed_tokens,
+                    num_tokens_main_model, apply_admission_cap)
+        return total
+
+    def allocate_new_computed_blocks(self, request_id: str,
+                                     new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+                                     num_local_computed_tokens: int,
+                                     num_external_computed_tokens: int) -> None:
+        """First allocation of a request: its hits, then blocks for external tokens.
+
+        Every group touches its hits before any group allocates, so one group's
+        fresh allocation cannot evict another group's hit.
+        """
+        if any(request_id in m.num_cached_block for m in self.single_type_managers):
+            if any(new_computed_blocks):
+                raise ValueError(f"request {request_id!r} is already running and "
+                                 "cannot take new prefix-hit blocks")
+            return
+        for manager, hit in zip(self.single_type_managers, new_computed_blocks):
+            manager.add_local_computed_blocks(request_id, hit, num_local_computed_tokens,
+                                              num_external_computed_tokens)
+        if num_external_computed_tokens > 0:
+            for manager in self.single_type_managers:
+                manager.allocate_external_computed_blocks(
+                    request_id, num_local_computed_tokens, num_external_computed_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int, num_encoder_tokens: int = 0
+                            ) -> tuple[list[KVCacheBlock], ...]:
+        """Grow every group's table; cross-attention groups to ``num_encoder_tokens``."""
+        return tuple(
+            m.allocate_new_blocks(
+                request_id,
+                num_encoder_tokens if isinstance(m, CrossAttentionManager) else num_tokens,
+                num_tokens_main_model)
+            for m in self.single_type_managers)
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Free group by group, each group's blocks tail first."""
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """All groups' blocks concatenated, each in table order."""
+        return [b for m in self.single_type_managers for b in m.pop_blocks_for_free(request_id)]
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [m.get_num_common_prefix_blocks(running_request_id)
+                for m in self.single_type_managers]
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, total_computed_tokens,
+                                          num_prompt_tokens)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        # .get, not [...]: looking must not create an entry.
+        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
+
+    def new_step_starts(self) -> None:
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
+
+    @abstractmethod
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int]:
+        """``(hit blocks per group, hit length in tokens)``."""
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: never a hit, nothing cached, any number of groups."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
+                 max_num_batched_tokens: int, use_eagle: bool, enable_kv_cache_events: bool,
+                 scheduler_block_size: int, hash_block_size: int) -> None:
+        super().__init__(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle,
+                         False, enable_kv_cache_events, scheduler_block_size,
+                         hash_block_size)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * len(self.single_type_managers)
+
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        return tuple([] for _ in self.single_type_managers), 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """One group: its manager's hit search decides alone."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, *args, **kwargs) -> None:
+        super().__init__(kv_cache_config, *args, **kwargs)
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("UnitaryKVCacheCoordinator needs exactly one KV cache group, "
+                             f"got {len(kv_cache_config.kv_cache_groups)}")
+        self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = self.kv_cache_spec.block_size
+        if self.enable_caching and self.hash_block_size != self.block_size:
+            raise ValueError(f"with one KV cache group, hash_block_size "
+                             f"({self.hash_block_size}) must equal its block_size "
+                             f"({self.block_size})")
+        self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
+
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        hit = self.single_type_managers[0].find_longest_cache_hit(
+            block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec,
+            drop_eagle_block=0 in self.eagle_group_ids, alignment_tokens=self.block_size)
+        return hit, len(hit[0]) * self.block_size
+
+
+class SpecGroup(NamedTuple):
+    """Groups with equal specs, looked up together (one hash probe per block).
+
+    ``use_eagle`` if any member is an EAGLE group: members share their hits,
+    so the EAGLE drop applies to all of them.
+    """
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool
+
+
+# The hybrid coordinator is long enough for a file of its own.
+from kvref.hybrid_kv_cache_coordinator import HybridKVCacheCoordinator  # noqa: E402
+
+
+def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
+                             max_num_batched_tokens: int, use_eagle: bool,
+                             enable_caching: bool, enable_kv_cache_events: bool,
+                             scheduler_block_size: int, hash_block_size: int
+                             ) -> KVCacheCoordinator:
+    """No caching -> no-prefix-cache coordinator; one group -> unitary; else hybrid."""
+    args = (kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle)
+    sizes = dict(scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(*args, enable_kv_cache_events, **sizes)
+    if any(isinstance(g.kv_cache_spec, CrossAttentionSpec)
+           for g in kv_cache_config.kv_cache_groups):
+        raise ValueError("cross-attention groups cannot be prefix-cached; "
+                         "use enable_caching=False (as vLLM does for encoder-decoder models)")
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        return UnitaryKVCacheCoordinator(*args, True, enable_kv_cache_events, **sizes)
+    return HybridKVCacheCoordinator(*args, True, enable_kv_cache_events, **sizes)
+
+
+__all__ = [
+    "HybridKVCacheCoordinator", "KVCacheCoordinator", "KVCacheCoordinatorNoPrefixCache",
+    "SpecGroup", "UnitaryKVCacheCoordinator", "get_kv_cache_coordinator",
+]

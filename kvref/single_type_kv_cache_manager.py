@@ -1,0 +1,505 @@
+"""One manager per KV cache group: which blocks each request holds, per attention type.
+
+Mirrors ``vllm/v1/core/single_type_kv_cache_manager.py``. A manager keeps
+``req_to_blocks[request_id]``, the request's block table for its group, and
+knows two things about its attention type:
+
+- ``find_longest_cache_hit``: which cached blocks a new request can reuse.
+  Full attention needs every block of the prefix; a sliding window only the
+  last few; a Mamba layer only the one state at the end.
+- ``get_num_skipped_tokens``: which leading tokens no longer matter, so that
+  ``remove_skipped_blocks`` can free their blocks and put the null block in
+  their place (the table keeps its length; positions stay meaningful).
+
+Example, block size 4, sliding window 8, 20 tokens computed::
+
+    full attention  [ 3,  4,  5,  6,  7]      every block is still read
+    sliding window  [ 0,  0,  0, 11, 12]      only tokens 13..20 are read;
+                      ^^^^^^^^^^ null block   blocks before them were freed
+
+The managers here: ``FullAttentionManager``, ``SlidingWindowManager``,
+``ChunkedLocalAttentionManager``, ``MambaManager``, ``CrossAttentionManager``;
+``get_manager_for_kv_cache_spec`` picks one for a spec.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+from kvref.block_pool import BlockPool
+from kvref.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvref.kv_cache_utils import KVCacheBlock
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks needed for ``a`` tokens of ``b`` per block."""
+    return -(-a // b)
+
+
+class SingleTypeKVCacheManager:
+    """The block tables of one KV cache group (one attention type).
+
+    Args:
+        kv_cache_spec: the group's spec.
+        block_pool: the pool shared by all groups.
+        enable_caching: whether full blocks are hashed for prefix caching.
+        kv_cache_group_id: this group's index in the config.
+        scheduler_block_size: the hit granularity of the whole model (the LCM
+            of all groups' block sizes); a multiple of this group's block size.
+        max_admission_blocks_per_request: the most blocks one request can hold
+            at once, for types that recycle blocks (sliding window, chunked
+            local); ``None`` means no cap.
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool,
+                 enable_caching: bool, kv_cache_group_id: int, scheduler_block_size: int,
+                 max_admission_blocks_per_request: int | None = None) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.enable_caching = enable_caching
+        self.kv_cache_group_id = kv_cache_group_id
+        self.scheduler_block_size = scheduler_block_size
+        self._max_admission_blocks_per_request = max_admission_blocks_per_request
+        self._null_block = block_pool.null_block
+        # A defaultdict, as in vLLM: reading an unknown request creates an empty
+        # entry, and the entry count is what common-prefix detection compares to.
+        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        # Leading blocks of each *running* request that are already cached.
+        # Membership also marks "already allocated once" (no more prefix hits).
+        self.num_cached_block: dict[str, int] = {}
+        # Blocks allocated since the last take_new_block_ids (full attention only).
+        self.new_block_ids: list[int] = []
+        # Whether hits of this group drop the last block for EAGLE (set by the coordinator).
+        self.use_eagle = False
+
+    # -- how many blocks a step needs ---------------------------------------
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock],
+                                   total_computed_tokens: int, num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        """Free blocks this step would take for the request to hold ``num_tokens``.
+
+        Counts the new blocks, plus prefix-hit blocks that are now free but
+        cached: touching them pulls them out of the free queue, so they use up
+        free capacity as well.
+        """
+        num_required = cdiv(num_tokens, self.block_size)
+        if apply_admission_cap and self._max_admission_blocks_per_request is not None:
+            num_required = min(num_required, self._max_admission_blocks_per_request)
+        num_held = len(self.req_to_blocks.get(request_id, ()))
+
+        if request_id in self.num_cached_block:
+            # A running request gets no new hits; rejected drafts can leave it
+            # holding more than it needs now.
+            if new_computed_blocks:
+                raise ValueError(f"request {request_id!r} is already running and "
+                                 "cannot take new prefix-hit blocks")
+            return max(num_required - num_held, 0)
+
+        # A new request: the leading blocks outside the attention window need
+        # no block at all (they become null blocks).
+        num_skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_local = len(new_computed_blocks) + num_held
+        num_new = max(num_required - max(num_skipped, num_local), 0)
+        # Hit blocks inside the skipped range are never touched.
+        first_kept_hit = max(0, num_skipped - num_held)
+        num_evictable = sum(1 for b in new_computed_blocks[first_kept_hit:]
+                            if b.ref_cnt == 0 and not b.is_null)
+        return num_new + num_evictable
+
+    # -- the three allocation stages ----------------------------------------
+
+    def add_local_computed_blocks(self, request_id: str,
+                                  new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """Give a new request its prefix-hit blocks: touch the ones it will read,
+        put null blocks where the window has already moved past."""
+        blocks = self.req_to_blocks[request_id]
+        if blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks; prefix "
+                             "hits are only taken on its first allocation")
+        total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped = self.get_num_skipped_tokens(total) // self.block_size
+        kept = new_computed_blocks[num_skipped:]
+        if self.enable_caching:
+            self.block_pool.touch(kept)
+        elif any(kept):
+            raise ValueError("prefix-hit blocks given while prefix caching is off")
+        blocks.extend([self._null_block] * num_skipped)
+        blocks.extend(kept)
+        # Hit blocks are cached already; cache_blocks starts after them.
+        self.num_cached_block[request_id] = len(blocks)
+
+    def allocate_external_computed_blocks(self, request_id: str,
+                                          num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """Blocks for tokens a KV connector will load (after every group's hits
+        are touched, so this cannot evict another group's hit)."""
+        total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(total)
+        if num_skipped_tokens > 0:
+            # External tokens left of the window need no block either.
+            num_external_computed_tokens = min(total - num_skipped_tokens,
+                                               num_external_computed_tokens)
+        if num_external_computed_tokens <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        new_blocks = self.block_pool.get_new_blocks(cdiv(total, self.block_size) - len(blocks))
+        blocks.extend(new_blocks)
+        self._remember_new_blocks(new_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list[KVCacheBlock]:
+        """Grow the request's table to hold ``num_tokens``; return the new blocks."""
+        blocks = self.req_to_blocks[request_id]
+        num_new = cdiv(num_tokens, self.block_size) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        self._remember_new_blocks(new_blocks)
+        return new_blocks
+
+    def _remember_new_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        # vLLM reports fresh blocks for zeroing only for plain full attention.
+        if type(self.kv_cache_spec) is FullAttentionSpec:
+            self.new_block_ids.extend(b.block_id for b in blocks)
+
+    def take_new_block_ids(self) -> list[int]:
+        """Block ids allocated since the last call (then forgotten)."""
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
+
+    # -- caching --------------------------------------------------------------
+
+    def cache_blocks(self, request, num_tokens: int) -> None:
+        """Cache the request's blocks that ``num_tokens`` tokens fill completely."""
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_cached >= num_full:
+            return
+        mask = self.reachable_block_mask(num_cached, num_full, self.scheduler_block_size,
+                                         self.kv_cache_spec, self.use_eagle)
+        self.block_pool.cache_full_blocks(
+            request=request, blocks=self.req_to_blocks[request.request_id],
+            num_cached_blocks=num_cached, num_full_blocks=num_full,
+            block_size=self.block_size, kv_cache_group_id=self.kv_cache_group_id,
+            block_mask=mask)
+        self.num_cached_block[request.request_id] = num_full
+
+    @classmethod
+    def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int,
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool) -> list[bool] | None:
+        """Which of ``blocks[start_block:end_block]`` a future hit could use;
+        ``None`` means all of them (the default)."""
+        return None
+
+    # -- release ---------------------------------------------------------------
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request; return its blocks in table order, still referenced."""
+        self.num_cached_block.pop(request_id, None)
+        return self.req_to_blocks.pop(request_id, [])
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first (the tail is evicted first)."""
+        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Free the blocks no future token will attend to; null blocks take their place."""
+        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        # Skipped tokens may run past the allocated blocks (external tokens).
+        self._remove_blocks_in_range(request_id,
+                                     min(num_skipped_tokens // self.block_size, len(blocks)))
+
+    def _remove_blocks_in_range(self, request_id: str, end: int) -> None:
+        """Null out ``blocks[:end]`` from right to left, stopping at the first
+        null block (everything before it was nulled by an earlier call)."""
+        blocks = self.req_to_blocks[request_id]
+        freed = []
+        for i in range(end - 1, -1, -1):
+            if blocks[i] is self._null_block:
+                break
+            freed.append(blocks[i])
+            blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens that no later token attends to. Default: none."""
+        return 0
+
+    def new_step_starts(self) -> None:
+        """The scheduler starts a new step (Mamba forgets this step's caching)."""
+
+    # -- per-type behaviour ------------------------------------------------------
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading blocks shared by every request holding blocks (cascade attention)."""
+        return 0
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               kv_cache_group_ids: list[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
+                               alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+        """The cached blocks a request with these hashes can reuse, per group.
+
+        The hit covers at most ``max_length`` tokens and a multiple of
+        ``alignment_tokens``; blocks the type does not need are the null block.
+        ``drop_eagle_block`` removes the last hit block so EAGLE recomputes it.
+        """
+        raise TypeError(f"{cls.__name__} does not serve prefix-cache hits")
+
+
+def _pop_until_aligned(computed: tuple[list[KVCacheBlock], ...], block_size: int,
+                       alignment_tokens: int) -> None:
+    """Shorten every group's hit until it covers a multiple of ``alignment_tokens``."""
+    while len(computed[0]) * block_size % alignment_tokens != 0:
+        for blocks in computed:
+            blocks.pop()
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Every token reads every earlier token: a hit is the longest cached prefix."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+        """Scan left to right and stop at the first miss: hashes chain, so no
+        block after a miss can be cached for this prefix."""
+        computed = tuple([] for _ in kv_cache_group_ids)
+        block_size = kv_cache_spec.block_size
+        for block_hash in block_hashes[:max_length // block_size]:
+            cached = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+            if cached is None:
+                break
+            for blocks, block in zip(computed, cached):
+                blocks.append(block)
+        if drop_eagle_block and computed[0]:
+            for blocks in computed:
+                blocks.pop()
+        _pop_until_aligned(computed, block_size, alignment_tokens)
+        return computed
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading blocks whose ``ref_cnt`` equals the number of requests with blocks."""
+        blocks = self.req_to_blocks[running_request_id]
+        num_requests = len(self.req_to_blocks)
+        count = 0
+        for block in blocks:
+            if block.ref_cnt != num_requests:
+                break
+            count += 1
+        return count
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """A token reads the last ``sliding_window`` tokens, itself included.
+
+    ``get_num_skipped_tokens``: window 4, 7 tokens computed -> the next token
+    (index 7) reads tokens 4..7, so tokens 0..3 are skipped (4 skipped).
+    """
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.sliding_window = kv_cache_spec.sliding_window
+
+    @staticmethod
+    def _contiguous_blocks_for_hit(sliding_window: int, block_size: int,
+                                   use_eagle: bool) -> int:
+        """Cached blocks in a row that make a hit: enough to hold the
+        ``window - 1`` earlier tokens the next token reads, one more for EAGLE
+        (which drops it again)."""
+        return cdiv(sliding_window - 1, block_size) + (1 if use_eagle else 0)
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+        """Scan right to left for ``need`` cached blocks in a row; everything left
+        of them is outside the window and becomes the null block.
+
+        Block size 4, window 8 (need 2), blocks 2 and 3 cached, 1 missing::
+
+            hashes   h0    h1    h2  h3
+            cached   yes   no    7   8
+            hit      [NULL, NULL, 7, 8]      16 tokens, 2 real blocks
+
+        Without such a run, only a run starting at block 0 counts (a prefix
+        shorter than the window needs no nulls).
+        """
+        block_size = kv_cache_spec.block_size
+        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
+                                              drop_eagle_block)
+        num_blocks = max_length // block_size
+        computed = tuple([block_pool.null_block] * num_blocks for _ in kv_cache_group_ids)
+        run = 0
+        found = False
+        for i in range(num_blocks - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                run = 0
+                continue
+            if run == 0 and block_size != alignment_tokens:
+                # The run's right end must fall on an aligned boundary (after
+                # the EAGLE drop, if any).
+                end = i if drop_eagle_block else i + 1
+                if end * block_size % alignment_tokens != 0:
+                    continue
+            for blocks, block in zip(computed, cached):
+                blocks[i] = block
+            run += 1
+            if run >= need:
+                for blocks in computed:
+                    del blocks[i + run:]
+                found = True
+                break
+        if not found:
+            for blocks in computed:
+                del blocks[run:]
+            _pop_until_aligned(computed, block_size, alignment_tokens)
+        if drop_eagle_block and computed[0]:
+            for blocks in computed:
+                blocks.pop()
+            _pop_until_aligned(computed, block_size, alignment_tokens)
+        return computed
+
+    @classmethod
+    def reachable_block_mask(cls, start_block, end_block, alignment_tokens, kv_cache_spec,
+                             use_eagle):
+        """Cache only the blocks a hit can end on.
+
+        Hits are aligned to ``alignment_tokens``, and a hit reads just the
+        ``need`` blocks before its end. With alignment 32, block size 8 and
+        need 2, a hit ends every 4 blocks, so blocks 2, 3, 6, 7, ... are
+        reachable and 0, 1, 4, 5, ... would only clutter the index. With EAGLE
+        every run is one block further right.
+        """
+        block_size = kv_cache_spec.block_size
+        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
+                                              use_eagle)
+        per_segment = alignment_tokens // block_size
+        if need >= per_segment:
+            return None
+        shift = 1 if use_eagle else 0
+        return [i >= shift and (i - shift) % per_segment >= per_segment - need
+                for i in range(start_block, end_block)]
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Tokens read only inside their own chunk of ``attention_chunk_size``.
+
+    ``get_num_skipped_tokens``: chunk 8, 13 computed -> the next token (13)
+    is in chunk 8..15, so 8 tokens are skipped; 8 computed -> 8; 7 -> 0.
+    """
+
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.attention_chunk_size = kv_cache_spec.attention_chunk_size
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+        """Blocks before the chunk of token ``max_length`` count as computed (null);
+        inside that chunk, the longest cached run from the chunk start.
+
+        Chunk 8, block size 4, max_length 15: token 15 is in chunk 8..15, so
+        blocks 0-1 are null and block 2 is looked up -> ``[NULL, NULL, 7]`` or
+        ``[NULL, NULL]``. With max_length 16 all four blocks are null: even a
+        request with nothing cached "hits" them.
+        """
+        if drop_eagle_block:
+            raise ValueError("EAGLE is not supported with chunked local attention")
+        block_size = kv_cache_spec.block_size
+        if block_size != alignment_tokens:
+            raise ValueError("chunked local attention needs every group to have the "
+                             f"same block size ({block_size} != {alignment_tokens})")
+        chunk = kv_cache_spec.attention_chunk_size
+        first_block = max(max_length, 0) // chunk * chunk // block_size
+        computed = tuple([block_pool.null_block] * first_block for _ in kv_cache_group_ids)
+        for i in range(first_block, max_length // block_size):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                break
+            for blocks, block in zip(computed, cached):
+                blocks.append(block)
+        return computed
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Blocks for the encoder's output (Whisper): allocated once from
+    ``num_encoder_tokens`` on the first step, private to the request, never cached."""
+
+    def add_local_computed_blocks(self, request_id, new_computed_blocks,
+                                  num_local_computed_tokens, num_external_computed_tokens):
+        if new_computed_blocks:
+            raise ValueError("cross-attention blocks are never prefix hits")
+
+    def allocate_external_computed_blocks(self, request_id, num_local_computed_tokens,
+                                          num_external_computed_tokens):
+        return  # encoder states are not loaded from a connector
+
+    def cache_blocks(self, request, num_tokens):
+        raise ValueError("cross-attention blocks are never cached; "
+                         "this needs enable_caching=False")
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+        raise ValueError("cross-attention does not support prefix caching; "
+                         "this needs enable_caching=False")
+
+
+# MambaManager lives in its own module (it is the longest); the factory below
+# needs it, so the import sits here, after the base class it builds on.
+from kvref.mamba_manager import MambaManager  # noqa: E402
+
+_MANAGER_FOR_SPEC = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}
+
+
+def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
+                                  max_model_len: int, **kwargs) -> SingleTypeKVCacheManager:
+    """The manager for a spec; block-recycling types get their admission cap."""
+    manager_cls = _MANAGER_FOR_SPEC.get(type(kv_cache_spec))
+    if manager_cls is None:
+        raise ValueError(f"no KV cache manager for spec type {type(kv_cache_spec).__name__}")
+    if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+        kwargs["max_admission_blocks_per_request"] = \
+            kv_cache_spec.max_admission_blocks_per_request(max_num_batched_tokens,
+                                                           max_model_len)
+    return manager_cls(kv_cache_spec, **kwargs)
+
+
+__all__ = [
+    "ChunkedLocalAttentionManager", "CrossAttentionManager", "FullAttentionManager",
+    "MambaManager", "SingleTypeKVCacheManager", "SlidingWindowManager",
+    "get_manager_for_kv_cache_spec",
+]
