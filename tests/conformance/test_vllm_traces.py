@@ -1,0 +1,31 @@
+"""Replay every recorded vLLM v0.25.1 trace; kvref must answer exactly as vLLM did.
+
+Each trace (``traces/<config class>/*.json.gz``) is one test: a divergence
+fails it with the op, the field and both values. See README.md here.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from kvref.trace_replay import find_traces, load_trace, replay
+
+TRACE_DIR = Path(__file__).parent / "traces"
+TRACES = list(find_traces([TRACE_DIR]))
+CONFIG_CLASSES = sorted(p.name for p in TRACE_DIR.iterdir() if p.is_dir())
+
+
+def test_every_config_class_has_traces():
+    assert CONFIG_CLASSES == [
+        "chunked_local", "cross_attention", "eagle", "full", "hybrid_diff_block_sizes",
+        "hybrid_full_mamba", "hybrid_full_swa", "mamba_align", "mamba_all",
+        "no_caching", "swa"]
+    assert len(TRACES) == 220
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.removesuffix(".json.gz"))
+def test_trace_replays_identically(path):
+    trace = load_trace(path)
+    result = replay(trace)
+    assert result.divergence is None, f"{path.name}: {result.divergence}"
+    assert result.num_ops == len(trace["ops"])
