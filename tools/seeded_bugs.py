@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""Seeded bugs: does the stateful suite catch realistic mistakes?
+
+Each entry of ``CATALOGUE`` is a small, plausible bug written as a text edit of
+one kvref source file. For each bug the script copies the project to a
+temporary folder, applies the edit, runs ``pytest tests/stateful`` there, and
+reports whether the suite failed ("killed") and which invariant id the failure
+names. A bug the suite survives is a hole in the checks.
+
+    python tools/seeded_bugs.py                 # every bug, a table at the end
+    python tools/seeded_bugs.py -k hit-cap      # bugs whose id contains "hit-cap"
+    python tools/seeded_bugs.py --list          # the catalogue only
+
+Exit status 0 only if every selected bug is killed. An edit whose text is not
+found exactly once in its file is an error: the catalogue must follow the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class SeededBug:
+    bug_id: str
+    description: str
+    path: str       # relative to the repository root
+    old: str        # text that must occur exactly once in the file
+    new: str
+
+
+CATALOGUE: list[SeededBug] = [
+    SeededBug("hit-cap-off-by-one",
+              "the prefix hit may cover the whole prompt (cap num_tokens, not num_tokens - 1)",
+              "kvref/kv_cache_manager.py",
+              "request.block_hashes, request.num_tokens - 1)",
+              "request.block_hashes, request.num_tokens)"),
+    SeededBug("touch-keeps-free",
+              "a prefix-hit block that sat in the free queue is not taken out of it",
+              "kvref/block_pool.py",
+              "            if block.ref_cnt == 0 and not block.is_null:\n"
+              "                self.free_block_queue.remove(block)\n",
+              "            pass\n"),
+    SeededBug("free-forward-order",
+              "a request's blocks are freed head first, so its prefix is evicted before its tail",
+              "kvref/single_type_kv_cache_manager.py",
+              "self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))",
+              "self.block_pool.free_blocks(self.pop_blocks_for_free(request_id))"),
+    SeededBug("watermark-for-running",
+              "the admission watermark is applied to running requests too",
+              "kvref/kv_cache_manager.py",
+              "if has_scheduled_reqs and request.status in (RequestStatus.WAITING,\n"
+              "                                                     RequestStatus.PREEMPTED):",
+              "if has_scheduled_reqs:"),
+    SeededBug("cache-partial-block",
+              "a block is cached before it is full (ceil instead of floor)",
+              "kvref/single_type_kv_cache_manager.py",
+              "        num_full = num_tokens // self.block_size\n",
+              "        num_full = cdiv(num_tokens, self.block_size)\n"),
+    SeededBug("cache-draft-tokens",
+              "unverified draft tokens are cached (no cap at request.num_tokens)",
+              "kvref/kv_cache_manager.py",
+              "request, min(total_computed + num_new_tokens, request.num_tokens))",
+              "request, total_computed + num_new_tokens + num_lookahead_tokens)"),
+    SeededBug("reuse-keeps-hash",
+              "a cached block handed out again keeps its old hash and index entry",
+              "kvref/block_pool.py",
+              "            if self.enable_caching:\n"
+              "                self._maybe_evict_cached_block(block)\n",
+              ""),
+    SeededBug("hybrid-one-pass",
+              "the hybrid fixed point stops after the first pass",
+              "kvref/hybrid_kv_cache_coordinator.py",
+              "            if one_pass:\n                break\n",
+              "            break\n"),
+    SeededBug("unhashed-to-tail",
+              "freed blocks without a hash go to the back of the queue, not the front",
+              "kvref/block_pool.py",
+              "self.free_block_queue.prepend_n(uncached)",
+              "self.free_block_queue.append_n(uncached)"),
+    SeededBug("hashed-to-head",
+              "freed cached blocks go to the front of the queue (evicted first)",
+              "kvref/block_pool.py",
+              "self.free_block_queue.append_n(cached)",
+              "self.free_block_queue.prepend_n(cached)"),
+    SeededBug("evict-silently",
+              "evicting a cached block emits no BlockRemoved event",
+              "kvref/block_pool.py",
+              "        if self.enable_kv_cache_events:\n"
+              "            self.kv_event_queue.append(BlockRemoved(",
+              "        if False:\n"
+              "            self.kv_event_queue.append(BlockRemoved("),
+    SeededBug("null-block-freed",
+              "the null block is put into the free queue when its count drops to 0",
+              "kvref/block_pool.py",
+              "            if block.ref_cnt == 0 and not block.is_null:\n"
+              "                (uncached if",
+              "            if block.ref_cnt == 0:\n"
+              "                (uncached if"),
+    SeededBug("swa-run-too-short",
+              "a sliding-window hit needs one block fewer than the window reads",
+              "kvref/single_type_kv_cache_manager.py",
+              "return cdiv(sliding_window - 1, block_size) + (1 if use_eagle else 0)",
+              "return max(cdiv(sliding_window - 1, block_size) - 1, 1) + (1 if use_eagle else 0)"),
+    SeededBug("swa-skip-too-many",
+              "the sliding window frees one token (a block) too early",
+              "kvref/single_type_kv_cache_manager.py",
+              "return max(0, num_computed_tokens - self.sliding_window + 1)",
+              "return max(0, num_computed_tokens - self.sliding_window + 2)"),
+    SeededBug("reset-while-in-use",
+              "reset_prefix_cache succeeds while blocks are in use",
+              "kvref/block_pool.py",
+              "        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:\n"
+              "            return False\n",
+              ""),
+    SeededBug("no-ref-on-alloc",
+              "get_new_blocks does not take a reference on the blocks it hands out",
+              "kvref/block_pool.py",
+              "                self._maybe_evict_cached_block(block)\n"
+              "            block.ref_cnt += 1\n",
+              "                self._maybe_evict_cached_block(block)\n"),
+    SeededBug("queue-half-unlinked",
+              "removing from the free queue forgets the backward link",
+              "kvref/kv_cache_utils.py",
+              "        next_block.prev_free_block = prev_block\n"
+              "        block.prev_free_block = block.next_free_block = None\n"
+              "        self.num_free_blocks -= 1\n",
+              "        block.prev_free_block = block.next_free_block = None\n"
+              "        self.num_free_blocks -= 1\n"),
+    SeededBug("queue-count-drift",
+              "removing from the free queue does not update its count",
+              "kvref/kv_cache_utils.py",
+              "        block.prev_free_block = block.next_free_block = None\n"
+              "        self.num_free_blocks -= 1\n",
+              "        block.prev_free_block = block.next_free_block = None\n"),
+    SeededBug("mamba-same-step-hit",
+              "a Mamba state cached in this step is served as a hit",
+              "kvref/mamba_manager.py",
+              "        if new_computed_blocks and \\\n"
+              "                new_computed_blocks[-1].block_hash in self.cached_blocks_this_step:",
+              "        if False:"),
+    SeededBug("eagle-no-drop",
+              "with EAGLE, full attention keeps the last hit block",
+              "kvref/single_type_kv_cache_manager.py",
+              "        if drop_eagle_block and computed[0]:\n"
+              "            for blocks in computed:\n"
+              "                blocks.pop()\n"
+              "        _pop_until_aligned(computed, block_size, alignment_tokens)\n"
+              "        return computed\n\n    def get_num_common_prefix_blocks",
+              "        _pop_until_aligned(computed, block_size, alignment_tokens)\n"
+              "        return computed\n\n    def get_num_common_prefix_blocks"),
+    SeededBug("chunk-skip-too-many",
+              "chunked local attention frees the blocks of the current chunk",
+              "kvref/single_type_kv_cache_manager.py",
+              "return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size",
+              "return (num_computed_tokens // self.attention_chunk_size + 1)"
+              " * self.attention_chunk_size"),
+    SeededBug("no-alignment-pop",
+              "full-attention hits are not cut back to the scheduler block size",
+              "kvref/single_type_kv_cache_manager.py",
+              "    while len(computed[0]) * block_size % alignment_tokens != 0:",
+              "    while False:"),
+    SeededBug("lora-not-hashed",
+              "the LoRA adapter name is left out of the block hash",
+              "kvref/kv_cache_utils.py",
+              "    if request.lora_request:\n"
+              "        keys.append(request.lora_request.lora_name)\n",
+              ""),
+    SeededBug("salt-not-hashed",
+              "the cache salt is left out of the first block's hash",
+              "kvref/kv_cache_utils.py",
+              "    if start_token_idx == 0 and request.cache_salt:\n"
+              "        keys.append(request.cache_salt)\n",
+              ""),
+]
+
+INVARIANT_ID = re.compile(r"\bINV-[A-Z]+-\d+\b")
+
+
+@dataclass
+class Outcome:
+    bug: SeededBug
+    killed: bool
+    caught_by: str
+    seconds: float
+
+
+def check_applicable(bug: SeededBug, root: Path) -> str:
+    """The file's text; ``SystemExit`` unless the bug's text occurs exactly once."""
+    text = (root / bug.path).read_text()
+    count = text.count(bug.old)
+    if count != 1:
+        raise SystemExit(f"seeded bug {bug.bug_id}: its text occurs {count} times in "
+                         f"{bug.path} (must be exactly once); update the catalogue")
+    return text
+
+
+def apply(bug: SeededBug, root: Path) -> None:
+    text = check_applicable(bug, root)
+    (root / bug.path).write_text(text.replace(bug.old, bug.new))
+
+
+def _copy_project(dest: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".hypothesis",
+                                    "*.egg-info", "traces")
+    shutil.copytree(ROOT, dest, ignore=ignore)
+
+
+def run_one(bug: SeededBug, pytest_args: list[str]) -> Outcome:
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"kvref-{bug.bug_id}-") as tmp:
+        copy = Path(tmp) / "kvref"
+        _copy_project(copy)
+        apply(bug, copy)
+        env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "tests/stateful", "-x", "-q",
+             "-p", "no:cacheprovider", *pytest_args],
+            cwd=copy, env=env, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
+    killed = proc.returncode != 0
+    ids = INVARIANT_ID.findall(output)
+    if ids:
+        caught_by = ids[0]
+    elif killed:
+        errors = re.findall(r"^E\s+(\w+(?:Error|Exception|Violation))", output, re.M)
+        caught_by = f"crash: {errors[0]}" if errors else "test failure"
+    else:
+        caught_by = "-"
+    return Outcome(bug, killed, caught_by, time.monotonic() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-k", dest="select", default="", help="only bug ids containing this")
+    parser.add_argument("--list", action="store_true", help="print the catalogue and stop")
+    parser.add_argument("-j", "--jobs", type=int, default=2, help="bugs run in parallel")
+    parser.add_argument("pytest_args", nargs="*",
+                        help="extra pytest arguments, e.g. --hypothesis-profile=deep")
+    args = parser.parse_args(argv)
+    bugs = [b for b in CATALOGUE if args.select in b.bug_id]
+    if args.list:
+        for bug in bugs:
+            print(f"{bug.bug_id:24} {bug.path:42} {bug.description}")
+        return 0
+    # Fail fast on a stale catalogue before spending minutes on the runs.
+    for bug in bugs:
+        check_applicable(bug, ROOT)
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console()
+    outcomes: list[Outcome] = []
+    with Progress(console=console) as progress, ThreadPoolExecutor(args.jobs) as pool:
+        task = progress.add_task("running the stateful suite on each bug", total=len(bugs))
+        futures = [pool.submit(run_one, bug, args.pytest_args) for bug in bugs]
+        for future in futures:
+            outcome = future.result()
+            outcomes.append(outcome)
+            progress.console.print(f"{outcome.bug.bug_id}: "
+                                   f"{'killed' if outcome.killed else 'SURVIVED'} "
+                                   f"({outcome.caught_by}, {outcome.seconds:.0f}s)")
+            progress.advance(task)
+
+    table = Table(title="Seeded bugs against tests/stateful")
+    for column in ("bug", "what it breaks", "result", "caught by", "time"):
+        table.add_column(column)
+    for o in outcomes:
+        table.add_row(o.bug.bug_id, o.bug.description,
+                      "[green]killed[/green]" if o.killed else "[red]SURVIVED[/red]",
+                      o.caught_by, f"{o.seconds:.0f}s")
+    console.print(table)
+    survived = [o.bug.bug_id for o in outcomes if not o.killed]
+    console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed"
+                  + (f"; survived: {', '.join(survived)}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
