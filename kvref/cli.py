@@ -102,7 +102,8 @@ def run_demo(console: Console, pause: float = 0.0) -> int:
     return 0
 
 
-def run_replay(console: Console, paths: list[str], compare_hashes: bool) -> int:
+def run_replay(console: Console, paths: list[str], compare_hashes: bool,
+               check_invariants: bool = False) -> int:
     from kvref.trace_replay import find_traces, replay_file
 
     files = list(find_traces(paths))
@@ -113,7 +114,7 @@ def run_replay(console: Console, paths: list[str], compare_hashes: bool) -> int:
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("replaying", total=len(files))
         for path in files:
-            result = replay_file(path, compare_hashes)
+            result = replay_file(path, compare_hashes, check_invariants)
             ops += result.num_ops
             if result.divergence is not None:
                 divergent.append((path, result.divergence))
@@ -134,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("paths", nargs="+", help="trace files or folders")
     rep.add_argument("--no-hashes", action="store_true",
                      help="do not compare hash values (their count still is)")
+    rep.add_argument("--check-invariants", action="store_true",
+                     help="also assert the invariants of specs/ after every op")
     args = parser.parse_args(argv)
     console = Console()
     if args.command == "demo":
         return run_demo(console, args.pause)
-    return run_replay(console, args.paths, not args.no_hashes)
+    return run_replay(console, args.paths, not args.no_hashes, args.check_invariants)
 
 
 if __name__ == "__main__":

@@ -424,8 +424,12 @@ def _mask_hashes(op_name: str, ret):
     return ret
 
 
-def replay(trace: dict, compare_hashes: bool = True) -> ReplayResult:
-    """Replay a whole trace; stop at the first divergence."""
+def replay(trace: dict, compare_hashes: bool = True,
+           check_invariants: bool = False) -> ReplayResult:
+    """Replay a whole trace; stop at the first divergence.
+
+    ``check_invariants`` also runs ``KVCacheManager.check_valid`` after every op
+    (a violation raises ``InvariantViolation``)."""
     name = trace.get("name", "?")
     header = trace["header"]
     compare_hashes = compare_hashes and header["hash"].get("none_hash_seed") is not None
@@ -442,6 +446,8 @@ def replay(trace: dict, compare_hashes: bool = True) -> ReplayResult:
             return ReplayResult(name, 0, Divergence(-1, None, *diff))
     for i, op in enumerate(trace["ops"]):
         observed = replayer.run(op)
+        if check_invariants:
+            replayer.manager.check_valid(popped_blocks=replayer.handles.values())
         expected = op.get("expect")
         if expected is None:
             continue
@@ -467,5 +473,6 @@ def _compare(op, expected, observed, state, compare_hashes):
     return first_difference(state, observed["state"], "state")
 
 
-def replay_file(path: str | os.PathLike, compare_hashes: bool = True) -> ReplayResult:
-    return replay(load_trace(path), compare_hashes)
+def replay_file(path: str | os.PathLike, compare_hashes: bool = True,
+                check_invariants: bool = False) -> ReplayResult:
+    return replay(load_trace(path), compare_hashes, check_invariants)

@@ -25,7 +25,8 @@ def test_every_config_class_has_traces():
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.removesuffix(".json.gz"))
 def test_trace_replays_identically(path):
+    """Identical answers, and every snapshot invariant (specs/) holds after each op."""
     trace = load_trace(path)
-    result = replay(trace)
+    result = replay(trace, check_invariants=True)
     assert result.divergence is None, f"{path.name}: {result.divergence}"
     assert result.num_ops == len(trace["ops"])
