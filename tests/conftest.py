@@ -1,0 +1,38 @@
+"""Hypothesis profiles for the whole test suite.
+
+    pytest tests/stateful                              # "ci": the default, ~3 minutes on 2 cores
+    pytest tests/stateful --hypothesis-profile=deep    # many more and longer runs
+
+Hypothesis' pytest plugin provides ``--hypothesis-profile`` and loads the named
+profile in its ``pytest_configure``, which runs after this file is imported; so
+this file only registers the profiles and makes "ci" the default. The "ci"
+profile is derandomized: the same examples every run, so a failure in CI is a
+failure on a laptop too, and a seeded bug is either caught or not, never by luck.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,               # a step may build a manager and walk every block
+    derandomize=True,
+    database=None,               # derandomized runs have nothing to replay
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+settings.register_profile(
+    "deep",
+    max_examples=1000,
+    stateful_step_count=150,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+# Only when nothing chose a profile yet: never undo an explicit --hypothesis-profile.
+if settings.get_current_profile_name() == "default":
+    settings.load_profile("ci")
