@@ -167,11 +167,18 @@ CATALOGUE: list[SeededBug] = [
               "return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size",
               "return (num_computed_tokens // self.attention_chunk_size + 1)"
               " * self.attention_chunk_size"),
-    SeededBug("no-alignment-pop",
-              "full-attention hits are not cut back to the scheduler block size",
-              "kvref/single_type_kv_cache_manager.py",
-              "    while len(computed[0]) * block_size % alignment_tokens != 0:",
-              "    while False:"),
+    SeededBug("mamba-frees-live-state",
+              "Mamba frees the state block of the last computed token too (n, not n - 1)",
+              "kvref/mamba_manager.py",
+              "    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:\n"
+              "        return num_computed_tokens - 1\n",
+              "    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:\n"
+              "        return num_computed_tokens\n"),
+    SeededBug("stats-ignore-preemption",
+              "prefix-cache stats count preempted requests as new ones",
+              "kvref/kv_cache_manager.py",
+              "preempted=request.num_preemptions > 0)",
+              "preempted=False)"),
     SeededBug("lora-not-hashed",
               "the LoRA adapter name is left out of the block hash",
               "kvref/kv_cache_utils.py",
@@ -231,12 +238,14 @@ def run_one(bug: SeededBug, pytest_args: list[str]) -> Outcome:
             cwd=copy, env=env, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
     killed = proc.returncode != 0
-    ids = INVARIANT_ID.findall(output)
+    # The failing assertion's own line ("E   AssertionError: INV-QUEUE-2: ...")
+    # names the invariant; other ids in the output come from printed source.
+    error_lines = [line for line in output.splitlines() if line.startswith("E ")]
+    ids = INVARIANT_ID.findall("\n".join(error_lines))
     if ids:
         caught_by = ids[0]
     elif killed:
-        errors = re.findall(r"^E\s+(\w+(?:Error|Exception|Violation))", output, re.M)
-        caught_by = f"crash: {errors[0]}" if errors else "test failure"
+        caught_by = error_lines[0][1:].strip()[:70] if error_lines else "test failure"
     else:
         caught_by = "-"
     return Outcome(bug, killed, caught_by, time.monotonic() - start)

@@ -145,6 +145,10 @@ CONFIGS = _configs(
     ModelConfig("hybrid_diff_block_sizes_swa_first",
                 (SlidingWindowSpec(4, sliding_window=9), FullAttentionSpec(8),
                  MambaSpec(4, mamba_cache_mode="all"))),
+    # A window finer than the scheduler block and full attention coarser: when
+    # the window finds no run, its leading run must be cut back to 8 tokens.
+    ModelConfig("hybrid_diff_block_sizes_finer_window",
+                (FullAttentionSpec(8), SlidingWindowSpec(4, sliding_window=9))),
     ModelConfig("no_caching", (FullAttentionSpec(4), SlidingWindowSpec(4, sliding_window=7)),
                 enable_caching=False, draft_tokens=2),
     ModelConfig("eagle", (FullAttentionSpec(4),), use_eagle=True, draft_tokens=2),

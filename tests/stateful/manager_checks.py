@@ -4,8 +4,8 @@
 ``test_kv_cache_manager_machine.py``) and reads the state that machine keeps:
 ``config``, ``specs``, ``manager``, ``pool``, ``coordinator``, ``live``,
 ``running``, ``in_flight``, ``observer``, ``consumer``, ``content``,
-``content_of_key``, ``key_of_content``, ``states_written_this_step``,
-``state_contents_this_step`` and ``tables_seen``. Every failure message starts with the spec id it breaks
+``content_of_key``, ``key_of_content``, ``states_written_this_step`` and
+``tables_seen``. Every failure message starts with the spec id it breaks
 (``specs/``), or says plainly what went wrong where no id covers it.
 """
 
@@ -88,10 +88,9 @@ class ManagerChecks:
             return max(0, length - align)
         return max(L for L in range(0, req.num_tokens, align) if serves(L))
 
-    def _hit_state_contents(self, hit) -> set[Content]:
-        """What the last block of each Mamba group's hit holds."""
-        return {self.content.get(blocks[-1].block_id)
-                for spec, blocks in zip(self.specs, hit.blocks)
+    def _hit_state_keys(self, hit) -> set[bytes]:
+        """The keys of the last block of each Mamba group's hit."""
+        return {blocks[-1].block_hash for spec, blocks in zip(self.specs, hit.blocks)
                 if isinstance(spec, MambaSpec) and blocks}
 
     def _hit_reads_unwritten_state(self, hit) -> bool:
@@ -164,7 +163,6 @@ class ManagerChecks:
                 held = self.content.setdefault(block.block_id, expected)
                 if held is expected and isinstance(spec, MambaSpec):
                     self.states_written_this_step.add(block.block_id)
-                    self.state_contents_this_step.add(expected)
                 assert held == expected, (
                     f"INV-CONTENT-1: block {block.block_id} at position {i} of {name}'s "
                     f"group {g} holds {held}, but {name} computed {expected} there")
@@ -185,7 +183,9 @@ class ManagerChecks:
         return {b.block_id: b.block_hash for b in self.pool.blocks if b.block_hash is not None}
 
     def _pool_state(self):
-        return (ids(self.pool.free_block_queue), dict(self.observer.refs), self._hashes())
+        """(free queue, model refs, block hashes, blocks handed out so far this step)."""
+        return (ids(self.pool.free_block_queue), dict(self.observer.refs), self._hashes(),
+                len(self.observer.handed_out))
 
     def _holders(self) -> dict[int, int]:
         count = {b.block_id: 0 for b in self.pool.blocks[1:]}

@@ -88,10 +88,10 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
         self.content: dict[int, Content] = {}
         self.key_of_content: dict[Content, bytes] = {}
         self.content_of_key: dict[bytes, Content] = {}
-        # Mamba states written in this step (blocks, and what they hold): not
-        # readable until the step has run.
+        # Mamba states written in this step are not readable until the step has
+        # run; kvref (like vLLM) refuses hits on any key cached in this step.
         self.states_written_this_step: set[int] = set()
-        self.state_contents_this_step: set[Content] = set()
+        self.keys_cached_this_step: set[bytes] = set()
         self.observer = PoolObserver(self.pool, on_reuse=lambda i: self.content.pop(i, None))
         self.consumer = EventConsumer()
         self.tables_seen: dict[str, list[list[int]]] = {}
@@ -182,7 +182,7 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
         and the prefix cache stats of the last step."""
         self.manager.new_step_starts()
         self.states_written_this_step.clear()
-        self.state_contents_this_step.clear()
+        self.keys_cached_this_step.clear()
         fresh = self.manager.take_new_block_ids()
         assert set(fresh) <= set(self.observer.handed_out), (
             f"take_new_block_ids returned {fresh}; only {self.observer.handed_out} "
@@ -260,10 +260,10 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
         if new is None:
             event("admission refused")
             self._check_refusal(name, before)
-            if needed > self.pool.num_gpu_blocks:  # kvref's "state not written yet"
-                assert self._hit_state_contents(hit) & self.state_contents_this_step, (
-                    f"{name} was refused as if its Mamba hit were computed in this step, "
-                    "but that state was written in an earlier step")
+            if needed > self.pool.num_gpu_blocks:  # kvref's "state cached in this step"
+                assert self._hit_state_keys(hit) & self.keys_cached_this_step, (
+                    f"{name} was refused as if its Mamba hit were cached in this step, "
+                    "but that key was cached in an earlier step")
             assert not fits, (
                 f"allocate_slots refused to admit {name}, though it needs {needed} blocks, "
                 f"the watermark keeps {watermark} and {free_before} are free")
@@ -275,6 +275,7 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
             "step, which holds nothing until the step that computes it has run")
         event("admitted with a prefix hit" if num_hit else "admitted without a hit")
         self._check_hit_starts_tables(name, hit)
+        self._note_keys_cached(before)
         self.waiting.remove(name)
         self.running.append(name)
         req.status = RequestStatus.RUNNING
@@ -310,6 +311,7 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
                 f"allocate_slots refused running request {name} although the {needed} "
                 f"blocks it needs are free ({free}); the watermark is for admissions only")
             return False
+        self._note_keys_cached(before)
         self._step_done(name, computed, n, drafts, accepted)
         return True
 
@@ -490,6 +492,15 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
             assert len(self.pool.cached_block_hash_to_block) == 0, \
                 "INV-RESET-1: the index is not empty after a reset"
 
+    def _note_keys_cached(self, before):
+        """Remember the keys an allocation just cached (``before``: ``_pool_state()``):
+        blocks whose key changed, and blocks it handed out again (evicted, then
+        perhaps cached anew under the very same key)."""
+        hashes_before, handed_out_before = before[2], before[3]
+        reused = set(self.observer.handed_out[handed_out_before:])
+        self.keys_cached_this_step |= {key for i, key in self._hashes().items()
+                                       if hashes_before.get(i) != key or i in reused}
+
     def _count_lookup(self, req, num_hit):
         if not self.config.enable_caching or req.skip_reading_prefix_cache:
             return
@@ -603,6 +614,10 @@ class HybridDifferentBlockSizesWindowFirst(SchedulerDrivesManager):
     config = CONFIGS["hybrid_diff_block_sizes_swa_first"]
 
 
+class HybridDifferentBlockSizesFinerWindow(SchedulerDrivesManager):
+    config = CONFIGS["hybrid_diff_block_sizes_finer_window"]
+
+
 class NoPrefixCaching(SchedulerDrivesManager):
     config = CONFIGS["no_caching"]
 
@@ -640,6 +655,7 @@ TestHybridFullMamba = HybridFullMamba.TestCase
 TestHybridFullMambaDifferentBlockSizes = HybridFullMambaDifferentBlockSizes.TestCase
 TestHybridDifferentBlockSizes = HybridDifferentBlockSizes.TestCase
 TestHybridDifferentBlockSizesWindowFirst = HybridDifferentBlockSizesWindowFirst.TestCase
+TestHybridDifferentBlockSizesFinerWindow = HybridDifferentBlockSizesFinerWindow.TestCase
 TestNoPrefixCaching = NoPrefixCaching.TestCase
 TestEagle = Eagle.TestCase
 TestEagleHybridFullSlidingWindow = EagleHybridFullSlidingWindow.TestCase
