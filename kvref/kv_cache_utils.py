@@ -171,10 +171,12 @@ class FreeKVCacheBlockQueue:
         self._insert_after(self.fake_free_list_head, blocks)
 
     def _insert_after(self, anchor: KVCacheBlock, blocks: Sequence[KVCacheBlock]) -> None:
-        after = anchor.next_free_block
+        # Check every block before linking any: a failure leaves the queue intact.
         for block in blocks:
             if block.prev_free_block is not None or block.next_free_block is not None:
                 raise RuntimeError(f"block {block.block_id} is already in the free queue")
+        after = anchor.next_free_block
+        for block in blocks:
             anchor.next_free_block = block
             block.prev_free_block = anchor
             anchor = block

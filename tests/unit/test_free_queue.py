@@ -300,3 +300,13 @@ class FreeQueueAgainstAList(RuleBasedStateMachine):
 TestFreeQueueAgainstAList = FreeQueueAgainstAList.TestCase
 TestFreeQueueAgainstAList.settings = settings(max_examples=60, stateful_step_count=20,
                                               deadline=None)
+
+
+def test_a_rejected_append_n_leaves_the_queue_untouched():
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    queue = FreeKVCacheBlockQueue(blocks[:2])
+    with pytest.raises(RuntimeError):
+        queue.append_n([blocks[2], blocks[0]])   # block 0 is already queued
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [0, 1]
+    assert queue.num_free_blocks == 2
+    assert blocks[2].prev_free_block is None and blocks[2].next_free_block is None
