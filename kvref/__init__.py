@@ -1,17 +1,17 @@
 """kvref: a readable reference of vLLM v1's KV cache layer (vLLM v0.25.1).
 
-Three layers, as in vLLM::
+Three layers, as in vLLM (``kvref/core/`` mirrors ``vllm/v1/core/``)::
 
-    KVCacheManager          scheduler-facing facade       kv_cache_manager.py
-      KVCacheCoordinator    one manager per KV group      kv_cache_coordinator.py
-        SingleTypeKVCacheManager (full, window, ...)      single_type_kv_cache_manager.py
-          BlockPool         blocks, free queue, index     block_pool.py
+    KVCacheManager          scheduler-facing facade       core/kv_cache_manager.py
+      KVCacheCoordinator    one manager per KV group      core/kv_cache_coordinator.py
+        SingleTypeKVCacheManager (full, window, ...)      core/single_type_kv_cache_manager.py
+          BlockPool         blocks, free queue, index     core/block_pool.py
 
 Everything public is importable from here: ``from kvref import KVCacheManager``.
+The core is pure Python; the tensor side (``kvref.worker``, ``kvref.attention``,
+``kvref.engine``) needs torch and is never imported from here.
 """
 
-# Import order matters: the coordinator module pulls in the hybrid one, and the
-# manager module the Mamba one, after defining what those build on.
 from kvref.hashing import sha256, sha256_cbor
 from kvref.kv_cache_interface import (
     AttentionSpec,
@@ -25,7 +25,7 @@ from kvref.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from kvref.kv_cache_utils import (
+from kvref.core.kv_cache_utils import (
     BlockHashListWithBlockSize,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -46,8 +46,8 @@ from kvref.request import (
     RequestStatus,
 )
 from kvref.stats import PrefixCacheStats
-from kvref.block_pool import BlockHashToBlockMap, BlockPool
-from kvref.single_type_kv_cache_manager import (
+from kvref.core.block_pool import BlockHashToBlockMap, BlockPool
+from kvref.core.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,
@@ -56,14 +56,14 @@ from kvref.single_type_kv_cache_manager import (
     SlidingWindowManager,
     get_manager_for_kv_cache_spec,
 )
-from kvref.kv_cache_coordinator import (
+from kvref.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
-from kvref.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvref.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 
 __version__ = "0.1.0"
 VLLM_VERSION = "0.25.1"

@@ -104,7 +104,7 @@ def run_demo(console: Console, pause: float = 0.0) -> int:
 
 def run_replay(console: Console, paths: list[str], compare_hashes: bool,
                check_invariants: bool = False) -> int:
-    from kvref.trace_replay import find_traces, replay_file
+    from kvref.verify.trace_replay import find_traces, replay_file
 
     files = list(find_traces(paths))
     if not files:

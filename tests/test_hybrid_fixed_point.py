@@ -1,7 +1,7 @@
 """The hybrid coordinator's prefix hit: one length every attention type accepts.
 
 The first tests replay the worked example of
-``kvref/hybrid_kv_cache_coordinator.py`` on a real coordinator (made by
+``kvref/core/kv_cache_coordinator.py`` on a real coordinator (made by
 ``KVCacheManager``): block size 4, groups full attention / sliding window 8 /
 Mamba, a 33-token prompt, and this cache::
 
@@ -34,7 +34,7 @@ from kvref import (
     make_block_hash_with_group_id,
     sha256,
 )
-from kvref.kv_cache_coordinator import SpecGroup
+from kvref.core.kv_cache_coordinator import SpecGroup
 
 NULL = "NULL"
 FULL = FullAttentionSpec(4)

@@ -1,4 +1,4 @@
-"""kvref.invariants: each invariant passes on a healthy manager and catches one corruption.
+"""kvref.verify.invariants: each invariant passes on a healthy manager and catches one corruption.
 
 Every test builds a healthy manager through the public API, checks it, breaks
 exactly one thing, and expects ``InvariantViolation`` naming the invariant id
@@ -32,7 +32,7 @@ from kvref import (
     make_block_hash_with_group_id,
     sha256,
 )
-from kvref.invariants import (
+from kvref.verify.invariants import (
     CHECKED_INVARIANTS,
     InvariantViolation,
     check,

@@ -3,7 +3,7 @@
 import copy
 from pathlib import Path
 
-from kvref.trace_replay import first_difference, load_trace, replay
+from kvref.verify.trace_replay import first_difference, load_trace, replay
 
 TRACE = Path(__file__).parent / "traces" / "full" / "full-public-00001.json.gz"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvref.trace_replay import find_traces, load_trace, replay
+from kvref.verify.trace_replay import find_traces, load_trace, replay
 
 TRACE_DIR = Path(__file__).parent / "traces"
 TRACES = list(find_traces([TRACE_DIR]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kvref import AllBlocksCleared, BlockRemoved, BlockStored
-from kvref.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+from kvref.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 
 
 class EventConsumer:

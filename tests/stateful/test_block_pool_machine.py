@@ -41,7 +41,7 @@ from kvref import (
     make_block_hash_with_group_id,
     sha256,
 )
-from kvref.invariants import check
+from kvref.verify.invariants import check
 
 from .event_consumer import EventConsumer, assert_consumer_agrees
 

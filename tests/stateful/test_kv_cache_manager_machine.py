@@ -47,7 +47,7 @@ from kvref import (
     init_none_hash,
     sha256,
 )
-from kvref.invariants import check
+from kvref.verify.invariants import check
 
 from .configs import CONFIGS, ModelConfig
 from .event_consumer import EventConsumer
@@ -541,7 +541,7 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
     def block_tables_are_consistent(self):
         """INV-MGR-1..9, INV-POOL-*, INV-QUEUE-*, INV-HASH-*: tables only grow or
         null out, waiting requests hold nothing, and kvref's own snapshot checker
-        (kvref.invariants.check) finds nothing."""
+        (kvref.verify.invariants.check) finds nothing."""
         self._check_tables_only_grow()
         for name in self.waiting:
             assert not any(self.manager.get_blocks(name).blocks), \

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvref import kv_cache_utils as ku
-from kvref.block_pool import BlockPool
+from kvref.core import kv_cache_utils as ku
+from kvref.core.block_pool import BlockPool
 from kvref.hashing import sha256
-from kvref.kv_cache_utils import (
+from kvref.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     make_block_hash_with_group_id,

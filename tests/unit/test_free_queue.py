@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvref.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from kvref.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def make_blocks(n: int) -> list[KVCacheBlock]:

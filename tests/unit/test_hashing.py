@@ -15,9 +15,9 @@ import pickle
 import cbor2
 import pytest
 
-from kvref import kv_cache_utils as ku
+from kvref.core import kv_cache_utils as ku
 from kvref.hashing import sha256, sha256_cbor
-from kvref.kv_cache_utils import (
+from kvref.core.kv_cache_utils import (
     BlockHashListWithBlockSize,
     generate_block_hash_extra_keys,
     get_block_hash,

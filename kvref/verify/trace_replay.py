@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvref import kv_cache_utils
+from kvref.core import kv_cache_utils
 from kvref.hashing import sha256, sha256_cbor
 from kvref.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -34,7 +34,7 @@ from kvref.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from kvref.kv_cache_manager import KVCacheManager
+from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.request import (
     LoRARequest,
     MultiModalFeatureSpec,

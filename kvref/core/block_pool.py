@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from kvref.kv_cache_utils import (
+from kvref.core.kv_cache_utils import (
     BlockHash,
     BlockHashListWithBlockSize,
     BlockHashWithGroupId,
@@ -302,7 +302,7 @@ class BlockPool:
 
     def check_valid(self) -> None:
         """Assert every pool invariant of ``specs/`` (an expensive no-op when all
-        is well); raises ``kvref.invariants.InvariantViolation`` naming the
+        is well); raises ``kvref.verify.invariants.InvariantViolation`` naming the
         invariant and the block otherwise. O(num_blocks)."""
-        from kvref.invariants import check_block_pool
+        from kvref.verify.invariants import check_block_pool
         check_block_pool(self)

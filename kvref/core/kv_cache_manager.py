@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvref.kv_cache_coordinator import get_kv_cache_coordinator
+from kvref.core.kv_cache_coordinator import get_kv_cache_coordinator
 from kvref.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
@@ -39,10 +39,10 @@ from kvref.kv_cache_interface import (
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
-from kvref.kv_cache_utils import KVCacheBlock
+from kvref.core.kv_cache_utils import KVCacheBlock
 from kvref.kv_events import BlockStored
 from kvref.request import Request, RequestStatus
-from kvref.single_type_kv_cache_manager import cdiv
+from kvref.core.single_type_kv_cache_manager import cdiv
 from kvref.stats import PrefixCacheStats
 
 
@@ -351,6 +351,6 @@ class KVCacheManager:
         free queue, index and every group's block tables (an expensive no-op
         when all is well). ``popped_blocks``: lists from ``pop_blocks_for_free``
         not yet handed back to ``block_pool.free_blocks``. Raises
-        ``kvref.invariants.InvariantViolation``."""
-        from kvref.invariants import check_kv_cache_manager
+        ``kvref.verify.invariants.InvariantViolation``."""
+        from kvref.verify.invariants import check_kv_cache_manager
         check_kv_cache_manager(self, popped_blocks)

@@ -16,7 +16,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from kvref.kv_cache_manager import KVCacheManager
+from kvref.core.kv_cache_manager import KVCacheManager
 
 CELLS_PER_ROW = 16
 

@@ -1,0 +1,15 @@
+"""The KV cache layer the scheduler talks to: mirrors ``vllm/v1/core/``.
+
+One module per vLLM file, same names::
+
+    kv_cache_manager.py              KVCacheManager, KVCacheBlocks (the facade)
+    kv_cache_coordinator.py          no-cache / unitary / hybrid coordinators
+    single_type_kv_cache_manager.py  one manager per attention type, Mamba included
+    block_pool.py                    BlockPool, BlockHashToBlockMap
+    kv_cache_utils.py                KVCacheBlock, the free queue, block hashing
+
+Imports only go down this list (and to the vocabulary modules one level up:
+``kv_cache_interface``, ``request``, ``kv_events``, ``stats``, ``hashing``), so
+the package has no import cycles. Import from ``kvref`` itself:
+``from kvref import KVCacheManager``.
+"""

@@ -1,0 +1,8 @@
+"""How kvref is checked; no vLLM counterpart.
+
+- ``invariants``: ``check(obj)`` asserts every invariant of ``specs/`` that one
+  snapshot of a ``KVCacheManager`` or ``BlockPool`` can show (it also accepts a
+  real vLLM v0.25.1 manager).
+- ``trace_replay``: replays recorded vLLM traces (``kvtrace/1``) against kvref
+  and reports the first divergence.
+"""
