@@ -52,7 +52,7 @@ from kvref.verify.invariants import check
 from .configs import CONFIGS, ModelConfig
 from .event_consumer import EventConsumer
 from .manager_checks import ManagerChecks, ids
-from .scheduler_model import (
+from .content_model import (
     SHARED_PREFIXES,
     Content,
     PoolObserver,
@@ -83,7 +83,7 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
         self.finished_since_reset = False
         self.conversations: dict[str, tuple] = {}  # finished -> (tokens, lora, salt)
         self.in_flight: list[tuple[dict, list]] = []       # popped, not yet freed blocks
-        # What each block holds (see scheduler_model.Content), and the one-to-one
+        # What each block holds (see content_model.Content), and the one-to-one
         # map between contents and index keys that hashing must give.
         self.content: dict[int, Content] = {}
         self.key_of_content: dict[Content, bytes] = {}
