@@ -19,10 +19,12 @@ changed to release a request head first, the shrunk failure reads (Hypothesis
 also prints the three invariants after every step; left out here)::
 
     state = FullAttention()
-    state.arrive(lora=None, own_tokens=0, salt=None, shared_prefix='sys-A')
-    state.engine_step(prefill_tokens=5)
+    state.arrive(lora=None, own_tokens=0, salt=None, shared_prefix='sys-A', skip_cache_read=False)
     Draw 1 (request): 'r0'
+    state.admit(data=data(...), num_tokens=5)
+    Draw 2 (request): 'r0'
     state.abort(data=data(...))
+    state.teardown()
     AssertionError: INV-EVICT-1: group 0's blocks were freed in the order [1, 2];
     a request frees its tail first, so its prefix stays cached longest
 
