@@ -258,6 +258,8 @@ class MambaSpec(KVCacheSpec):
                 or self.num_speculative_blocks < 0):
             raise ValueError("MambaSpec.num_speculative_blocks must be an int "
                              f">= 0, got {self.num_speculative_blocks!r}")
+        if self.page_size_padded is not None:
+            _positive_int("page_size_padded", self.page_size_padded, "MambaSpec")
         if len(self.shapes) != len(self.dtypes):
             raise ValueError(f"MambaSpec needs one dtype per state shape, got "
                              f"shapes={self.shapes!r}, dtypes={self.dtypes!r}")
