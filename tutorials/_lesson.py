@@ -34,7 +34,9 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.rule import Rule
+from rich.text import Text
 
 TUTORIALS_DIR = Path(__file__).resolve().parent
 # Wide enough for a 16-block pool row when the output goes to a pipe or a file.
@@ -116,19 +118,21 @@ def start(title: str, *, uses_tensors: bool = False,
         else:
             console.print("[dim](this lesson touches no tensors: --device cuda changes "
                           "nothing)[/dim]")
-    console.print(Rule(f"[bold]Lesson {_state.number}: {title}[/bold]"))
+    console.print(Rule(f"[bold]Lesson {_state.number}: {escape(title)}[/bold]"))
     return args
 
 
 def section(title: str) -> None:
     """A step of the lesson: a heading in the output."""
     console.print()
-    console.print(Rule(title, style="cyan", align="left"))
+    console.print(Rule(escape(title), style="cyan", align="left"))
 
 
 def show(*renderables) -> None:
-    """Print text or any ``rich`` renderable (``kvref.viz`` pictures, tables)."""
-    console.print(*renderables)
+    """Print text or any ``rich`` renderable (``kvref.viz`` pictures, tables).
+
+    Strings print as they are: ``[1, 2]`` is a list, not ``rich`` markup."""
+    console.print(*[Text(r) if isinstance(r, str) else r for r in renderables])
 
 
 def _site_of_caller(depth: int) -> int | None:
@@ -164,12 +168,12 @@ def claim(condition: bool, text: str) -> None:
                         f"{type(condition).__name__}; compare explicitly")
     site = _site_of_caller(1)
     if not condition:
-        console.print(f"[bold red]✗ {text}[/bold red]")
+        console.print(f"[bold red]✗ {escape(text)}[/bold red]")
         raise ClaimFailed(f"lesson {_state.number}, claim site {site}: {text}")
     _state.checked += 1
     if site is not None:
         _state.sites_run.add(site)
-    console.print(f"[green]✓[/green] {text}")
+    console.print(f"[green]✓[/green] {escape(text)}")
 
 
 def figure_path(args: argparse.Namespace, name: str) -> Path:
