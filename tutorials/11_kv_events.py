@@ -86,7 +86,7 @@ def pool_index(manager):
 # hangs the store under its parent (dropping a store whose parent it never
 # saw), and maps vLLM hashes to its own keys to apply `BlockRemoved`. With
 # `skip_sparse=True` it refuses stores whose token slices and hashes do not
-# pair up one to one, the defence some routers adopted.
+# pair up one to one, the defence the smg router adopted (its PR #2495).
 
 # %%
 class RouterIndex(ABC):
@@ -336,9 +336,10 @@ claim(index.score(prompt + [1]) == manager.get_computed_blocks(request("p", prom
 # and masked blocks in the range are skipped when hashes are collected, but
 # `token_ids` still spans the whole range, and `parent_block_hash` is the hash of
 # the block before the range even if that block was never stored in this group
-# (`BlockPool.cache_full_blocks`; upstream issue #44451, fix proposed in PR
-# #44488, open for 0.25.1). A Mamba group in `align` mode keeps only the state at
-# the end of each chunk, so most of its blocks are null:
+# (`BlockPool.cache_full_blocks`; upstream issue #44451; PR #44488 proposes a
+# `block_offsets` field to say which slice each hash belongs to, and 0.25.1 does
+# not have it). A Mamba group in `align` mode keeps only the state at the end of
+# each chunk, so most of its blocks are null:
 #
 # - a chunk covering several blocks gives fewer hashes than token slices, and
 #   the hash belongs to the *last* slice, not the first;
