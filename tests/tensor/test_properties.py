@@ -50,6 +50,8 @@ CONFIGS = {
     "chunked_local_8": ([ChunkedLocalAttentionSpec(4, num_kv_heads=2, head_size=8,
                                                    attention_chunk_size=8)], None),
     "hybrid_full_swa": ([_full(), _swa(6)], None),
+    "hybrid_full_chunked_8": ([_full(), ChunkedLocalAttentionSpec(
+        4, num_kv_heads=2, head_size=8, attention_chunk_size=8)], None),
     "hybrid_full_mamba_all": ([_full(), MambaSpec(4, mamba_cache_mode="all")], None),
     "kernel_split_full_swa": ([_full(8), _swa(7, bs=8)], [4, 2]),
 }
