@@ -25,7 +25,24 @@ tensor per layer position, shared by the ``j``-th layer of every KV cache group
 (vLLM's ``KVCacheTensor.shared_by``). It works because a block id belongs to
 one group at a time: the pool never hands one block to two groups.
 
-    >>> # see kvref.engine.llm.LLM for the assembled engine
+    >>> config = ModelConfig(architecture="qwen3", vocab_size=32, hidden_size=16,
+    ...     intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+    ...     num_key_value_heads=1, head_dim=8, sliding_window=6,
+    ...     layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    >>> kv_config = make_kv_cache_config(config, block_size=4, num_blocks=20,
+    ...                                  dtype=torch.float32)
+    >>> [(type(g.kv_cache_spec).__name__, g.layer_names) for g in kv_config.kv_cache_groups]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('FullAttentionSpec', ['model.layers.1.self_attn.attn']),
+     ('SlidingWindowSpec', ['model.layers.0.self_attn.attn', 'model.layers.2.self_attn.attn'])]
+    >>> runner = GPUModelRunner(TransformerForCausalLM(config), kv_config, max_model_len=32,
+    ...                         max_num_batched_tokens=16, max_num_reqs=4)
+    >>> runner.kv_caches[0] is runner.kv_caches[1]      # tensor 0: layer 0 and layer 1
+    True
+    >>> runner.kv_caches[2].shape                        # [num_blocks, 2, block, KV, D]
+    torch.Size([20, 2, 4, 1, 8])
+
+The assembled engine is ``kvref.engine.llm.LLM``.
 """
 
 from __future__ import annotations

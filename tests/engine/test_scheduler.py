@@ -20,7 +20,7 @@ from kvref import (
     RequestStatus,
     SlidingWindowSpec,
 )
-from kvref.engine import ModelFreeRunner, SamplingParams, Scheduler, engine_step
+from kvref.engine import EngineRequest, ModelFreeRunner, SamplingParams, Scheduler, engine_step
 from kvref.invariants import check
 
 VOCAB = 97
@@ -42,18 +42,21 @@ def make_manager(num_blocks: int, block_size: int = 4, max_model_len: int = 64,
 
 def run_to_completion(scheduler: Scheduler, runner: ModelFreeRunner,
                       arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] = None,
-                      max_steps: int = 500) -> None:
-    """Step until done, adding ``arrivals[step]`` before each step; check invariants."""
+                      max_steps: int = 500) -> dict[str, EngineRequest]:
+    """Step until done, adding ``arrivals[step]`` before each step; check invariants.
+    Returns the requests that arrived, by id."""
     arrivals = arrivals or {}
+    arrived: dict[str, EngineRequest] = {}
     step = 0
     while scheduler.has_unfinished_requests() or any(s >= step for s in arrivals):
         for request_id, prompt, params in arrivals.get(step, []):
-            scheduler.new_request(request_id, prompt, params)
+            arrived[request_id] = scheduler.new_request(request_id, prompt, params)
         if scheduler.has_unfinished_requests():
             engine_step(scheduler, runner)
         check(scheduler.kv_cache_manager)
         step += 1
         assert step < max_steps, "the scheduler made no progress"
+    return arrived
 
 
 def test_chunked_prefill_splits_a_prompt_over_the_token_budget():
@@ -260,16 +263,9 @@ def test_any_workload_generates_what_the_model_alone_generates(
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         arrivals.setdefault(step, []).append((f"r{i}", prompt, params))
         expected[f"r{i}"] = runner.reference_output(prompt, max_tokens)
-    outputs: dict[str, list[int]] = {}
-    original_free = scheduler._free_request
-
-    def keep_output(request):
-        outputs[request.request_id] = list(request.output_token_ids)
-        original_free(request)
-
-    scheduler._free_request = keep_output
-    run_to_completion(scheduler, runner, arrivals)
-    assert outputs == expected
+    requests = run_to_completion(scheduler, runner, arrivals)
+    assert {rid: r.output_token_ids for rid, r in requests.items()} == expected
+    assert all(r.is_finished() for r in requests.values())
     EXERCISED["preemptions"] += scheduler.stats.num_preemptions
     EXERCISED["cached"] += scheduler.stats.prompt_tokens_cached
     EXERCISED["chunks"] += sum(1 for r in scheduler.step_records
