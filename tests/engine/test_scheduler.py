@@ -21,7 +21,6 @@ from kvref import (
     SlidingWindowSpec,
 )
 from kvref.engine import EngineRequest, ModelFreeRunner, SamplingParams, Scheduler, engine_step
-from kvref.invariants import check
 
 VOCAB = 97
 
@@ -53,7 +52,7 @@ def run_to_completion(scheduler: Scheduler, runner: ModelFreeRunner,
             arrived[request_id] = scheduler.new_request(request_id, prompt, params)
         if scheduler.has_unfinished_requests():
             engine_step(scheduler, runner)
-        check(scheduler.kv_cache_manager)
+        scheduler.kv_cache_manager.check_valid()          # every invariant of specs/
         step += 1
         assert step < max_steps, "the scheduler made no progress"
     return arrived
@@ -215,7 +214,7 @@ def test_finished_and_aborted_requests_free_their_blocks():
     assert "b" not in scheduler.requests
     run_to_completion(scheduler, runner)
     assert manager.block_pool.get_num_free_blocks() == 15       # all but the null block
-    check(manager)
+    manager.check_valid()
 
 
 def test_sliding_window_blocks_become_null_blocks_as_the_window_moves():
