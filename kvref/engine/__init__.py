@@ -28,7 +28,6 @@ from kvref.engine.scheduler import (
 )
 
 
-
 def __getattr__(name: str):
     # The model side needs torch; import it only when asked for.
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
@@ -37,5 +36,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvref.engine' has no attribute {name!r}")
 
 
-__all__ = ["CompletionOutput", "LLM", "RequestOutput", "EngineRequest", "ModelFreeRunner", "ModelRunnerOutput", "NgramProposer", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "SchedulerStats", "StepRecord", "engine_step"]
+__all__ = ["CompletionOutput", "EngineRequest", "LLM", "ModelFreeRunner", "ModelRunnerOutput",
+           "NgramProposer", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerOutput",
+           "SchedulerStats", "StepRecord", "engine_step"]

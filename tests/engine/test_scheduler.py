@@ -8,7 +8,6 @@ invariants after every step.
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
