@@ -163,8 +163,9 @@ class StepRecord:
     num_free_blocks: int                  # after scheduling
     num_running: int
     num_waiting: int
-    finished: list[str] = field(default_factory=list)   # filled by update_from_output
-    sampled: dict[str, int] = field(default_factory=dict)
+    # Filled by update_from_output: who finished, and the tokens each request took.
+    finished: list[str] = field(default_factory=list)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -177,6 +178,8 @@ class SchedulerStats:
     """
 
     num_steps: int = 0
+    num_requests: int = 0
+    num_prompt_tokens: int = 0            # prompt lengths of the requests added
     num_preemptions: int = 0
     num_finished: int = 0
     prompt_tokens_computed: int = 0
@@ -259,6 +262,8 @@ class Scheduler:
                              f"{self.max_model_len})")
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += request.num_prompt_tokens
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -494,7 +499,7 @@ class Scheduler:
             for token in new_token_ids:
                 request.append_output_token_ids(token)
                 if record is not None:
-                    record.sampled[req_id] = token
+                    record.sampled.setdefault(req_id, []).append(token)
                 if check_stop(request, self.max_model_len):
                     finished.append(request)
                     break
