@@ -190,6 +190,12 @@ class RecordingKVCacheManager:
                 self._emit({"op": op_name, "req": rid, "value": value})
                 known[field] = value
 
+    def sync_requests(self) -> None:
+        """Write down the bookkeeping of every request seen so far (call at the end
+        of a step, so a trace's state at step ends shows what the scheduler set)."""
+        for known in list(self._known.values()):
+            self._sync(known["obj"])
+
     def _call(self, op: dict, fn, *args, **kwargs):
         try:
             ret = fn(*args, **kwargs)

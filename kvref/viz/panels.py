@@ -23,9 +23,12 @@ from kvref.viz.pool import render_free_queue, render_grid
 from kvref.viz.tables import compress_ids, render_block_tables, render_prefix_tree
 
 SPARK = "▁▂▃▄▅▆▇█"
-# Scheduler bookkeeping on a request: shown in the op list only on request.
+# Scheduler bookkeeping and read-only queries: listed only in verbose mode.
 BOOKKEEPING = {"set_num_computed_tokens", "set_status", "set_num_preemptions",
-               "append_output_token_ids", "new_step_starts"}
+               "append_output_token_ids", "new_step_starts",
+               # read-only queries
+               "get_block_ids", "get_block_ids_for_computed_tokens", "usage",
+               "num_free_blocks", "get_num_common_prefix_blocks", "make_prefix_cache_stats"}
 
 
 def _blocks(ret) -> str:
@@ -157,8 +160,9 @@ def frame_title(player: TracePlayer) -> str:
             f"op {player.position - 1}/{len(player.ops) - 1}")
 
 
-def render_frame(player: TracePlayer, verbose: bool = False) -> Group:
-    """Everything about the player's position, fitting 80 columns."""
+def render_frame(player: TracePlayer, verbose: bool = False, compact: bool = False) -> Group:
+    """Everything about the player's position, fitting 80 columns
+    (``compact``: without the events panel, for the animated demo)."""
     parts = [Rule(frame_title(player))]
     story = player.narration.get(player.current_step)
     if story:
@@ -167,7 +171,10 @@ def render_frame(player: TracePlayer, verbose: bool = False) -> Group:
     parts += [render_step_ops(facts, verbose), render_grid(player.manager.block_pool),
               render_free_queue(player.manager.block_pool),
               render_block_tables(player.manager, requests=player.requests),
-              render_prefix_tree(player.manager), render_events(facts), render_stats(player)]
+              render_prefix_tree(player.manager)]
+    if not compact:
+        parts.append(render_events(facts))
+    parts.append(render_stats(player))
     return Group(*parts)
 
 

@@ -76,7 +76,7 @@ def requests_with_blocks(manager) -> list[str]:
     return list(seen)
 
 
-def render_block_tables(manager, request_ids=None, requests=None) -> Table | Text:
+def render_block_tables(manager, request_ids=None, requests=None) -> Group | Text:
     """One row per request, one column per group. ``requests`` (id -> Request)
     adds each request's computed/total tokens and status."""
     if request_ids is None:
@@ -84,8 +84,7 @@ def render_block_tables(manager, request_ids=None, requests=None) -> Table | Tex
     if not request_ids:
         return Text("block tables: no request holds blocks", style="dim")
     groups = manager.kv_cache_config.kv_cache_groups
-    table = Table(title="block tables (ids per KV cache group)", title_justify="left",
-                  box=None, header_style="bold", pad_edge=False)
+    table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("request", no_wrap=True)
     if requests is not None:
         table.add_column("tokens", justify="right", no_wrap=True)
@@ -101,9 +100,12 @@ def render_block_tables(manager, request_ids=None, requests=None) -> Table | Tex
                        f"{req.num_computed_tokens}/{req.num_tokens} {req.status.name.lower()}")
         row += [compress_ids(ids) for ids in manager.get_block_ids(rid)]
         table.add_row(*row)
+    parts = [Text("block tables (block ids per KV cache group, /block size)", style="bold"),
+             table]
     if len(request_ids) > len(shown):
-        table.caption = f"… and {len(request_ids) - len(shown)} more requests not shown"
-    return table
+        parts.append(Text(f"… and {len(request_ids) - len(shown)} more requests not shown",
+                          style="italic"))
+    return Group(*parts)
 
 
 def _prefix_group(manager) -> int | None:

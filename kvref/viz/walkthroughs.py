@@ -89,6 +89,10 @@ class Walkthrough:
         req.status = RequestStatus.FINISHED_STOPPED
         self.m.free(req)
 
+    def blocks_of(self, rid: str) -> tuple[list[int], ...]:
+        """A request's block ids, read without recording a query."""
+        return self.m.manager.get_block_ids(rid)
+
     def pool(self):
         return self.m.manager.block_pool
 
@@ -116,6 +120,7 @@ class Walkthrough:
             self.claims.append([])
             self.m.new_step_starts()
             self.narration[k] = step()
+            self.m.sync_requests()
             self.m.take_events()
             false = [text for text, holds in self.claims[-1] if not holds]
             if false:
@@ -168,9 +173,9 @@ class PrefixCachingWalkthrough(Walkthrough):
                 "hash and nobody can hit it yet.")
 
     def _a_decodes(self):
-        before = {b for b in self.m.get_block_ids("A")[0] if self.is_cached(b)}
+        before = {b for b in self.blocks_of("A")[0] if self.is_cached(b)}
         new = self.decode("A", 4)
-        last = self.m.get_block_ids("A")[0][-1]
+        last = self.blocks_of("A")[0][-1]
         self.claim("the decode fits in the last block", new[0] == [])
         self.claim("the last block became cached", self.is_cached(last) and last not in before)
         return (f"A decodes one token. It fits in block {last}, which is now full: "
@@ -186,7 +191,7 @@ class PrefixCachingWalkthrough(Walkthrough):
                 f"{refs[0]}) and gets {len(new[0])} new blocks ({_ids(new[0])}) for the rest.")
 
     def _a_finishes(self):
-        a_blocks = self.m.get_block_ids("A")[0]
+        a_blocks = self.blocks_of("A")[0]
         self.finish("A")
         private = [b for b in a_blocks if self.pool().blocks[b].ref_cnt == 0]
         shared = [b for b in a_blocks if self.pool().blocks[b].ref_cnt > 0]
@@ -216,7 +221,7 @@ class PrefixCachingWalkthrough(Walkthrough):
     def _the_cap(self, tokens):
         req_blocks = len(tokens) // 4
         hit, num_hit, new = self.arrive("D", tokens)
-        c_blocks = self.m.get_block_ids("C")[0]
+        c_blocks = self.blocks_of("C")[0]
         self.claim("the prompt is a whole number of blocks", len(tokens) % 4 == 0)
         self.claim("every block of the prompt is cached", all(self.is_cached(b)
                                                               for b in c_blocks[:req_blocks]))
@@ -229,7 +234,7 @@ class PrefixCachingWalkthrough(Walkthrough):
                 "token.")
 
     def _b_finishes(self):
-        b_blocks = self.m.get_block_ids("B")[0]
+        b_blocks = self.blocks_of("B")[0]
         self.finish("B")
         queue = self.free_queue()
         freed = [b for b in b_blocks if self.pool().blocks[b].ref_cnt == 0]
@@ -299,9 +304,9 @@ class SlidingWindowWalkthrough(Walkthrough):
                 f"sliding window {_ids(new[1])}.")
 
     def _window_slides(self):
-        window_before = self.m.get_block_ids("A")[1]
+        window_before = self.blocks_of("A")[1]
         self.decode("A", 9)
-        full, window = self.m.get_block_ids("A")
+        full, window = self.blocks_of("A")
         nulls = [i for i, b in enumerate(window) if b == 0]
         freed = [window_before[i] for i in nulls]
         self.claim("the window table starts with null blocks", nulls == list(range(len(nulls))))
@@ -317,7 +322,7 @@ class SlidingWindowWalkthrough(Walkthrough):
                 "keeps all its blocks.")
 
     def _hybrid_hit(self, tokens):
-        a_window = self.m.get_block_ids("A")[1]
+        a_window = self.blocks_of("A")[1]
         hit, num_hit, new = self.arrive("B", tokens)
         window_hit = hit[1]
         real = [b for b in window_hit if b != 0]
@@ -334,7 +339,7 @@ class SlidingWindowWalkthrough(Walkthrough):
                 "window block A had already freed comes back into use.")
 
     def _evicted_window_blocks(self):
-        b_full, b_window = self.m.get_block_ids("B")
+        b_full, b_window = self.blocks_of("B")
         victims = {b for b in b_window[2:4] if b != 0}
         self.m.evict_blocks(victims)
         self.claim("those window blocks have no hash now",

@@ -238,6 +238,7 @@ def record_workload(name: str, max_steps: int | None = None, seed: str = "0",
         engine_step(scheduler, runner)
         for rid in scheduler.step_records[-1].finished:
             done[rid] = list(live[rid].all_token_ids)
+        recorder.sync_requests()
         # What vLLM's scheduler does when it makes its stats after a step.
         recorder.take_events()
         recorder.make_prefix_cache_stats()
