@@ -28,8 +28,9 @@ from rich.text import Text
 
 NULL, USED, USED_CACHED, FREE_CACHED, FREE = "null", "used", "used_cached", "free_cached", "free"
 GLYPH = {NULL: "∅", USED: "●", USED_CACHED: "◉", FREE_CACHED: "○", FREE: "·"}
-STYLE = {NULL: "bright_black", USED: "green", USED_CACHED: "bold bright_green",
-         FREE_CACHED: "yellow", FREE: "bright_black"}
+# Explicit colours: terminal themes (and rich's SVG theme) render named greens as olive.
+STYLE = {NULL: "#b57edc", USED: "bold #4aa3ff", USED_CACHED: "bold #3ccf4e",
+         FREE_CACHED: "#f0a030", FREE: "#808080"}
 DETAILED_MAX = 120          # one labelled cell per block up to here
 DETAILED_PER_ROW = 10       # 10 cells of 7 columns: 70 columns
 COMPACT_PER_ROW = 64        # plus a 6-column row label: 70 columns
