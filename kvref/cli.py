@@ -47,7 +47,7 @@ def _workload_trace(name: str, steps: int | None, console: Console | None = None
                          + ", ".join(workload_names()))
     if steps is not None and steps < 1:
         raise UsageError(f"--steps must be at least 1, got {steps}")
-    if console is None:
+    if console is None or not console.is_terminal:
         return record_workload(name, max_steps=steps)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"running {name}", total=steps)
@@ -86,11 +86,15 @@ def cmd_demo(args, console: Console) -> int:
     console.print(trace["generator"].get("description", ""), style="bold")
     animate = not args.no_animate and console.is_terminal
     if animate:
-        with Live(console=console, refresh_per_second=8, vertical_overflow="visible") as live:
+        # A frame taller than the terminal is cut at the bottom while animating
+        # (the story and the grid come first); the last one is printed whole.
+        with Live(console=console, refresh_per_second=8, transient=True,
+                  vertical_overflow="ellipsis") as live:
             for k in range(len(player.steps)):
                 player.seek_step(k)
                 live.update(render_frame(player, compact=True))
                 time.sleep(args.pause)
+        console.print(render_frame(player, compact=True))
     else:
         for k in range(len(player.steps)):
             player.seek_step(k)

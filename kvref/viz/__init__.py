@@ -6,6 +6,9 @@ replayed to any position), ``workloads`` and ``walkthroughs`` (what ``kvref demo
 runs), ``explain`` (why an op did what it did), ``interactive`` (stepping).
 """
 
-from kvref.viz.pool import render_free_queue, render_grid, render_pool
+from kvref.viz.panels import render_frame, render_pool
+from kvref.viz.pool import render_free_queue, render_grid
+from kvref.viz.tables import render_block_tables, render_prefix_tree
 
-__all__ = ["render_free_queue", "render_grid", "render_pool"]
+__all__ = ["render_block_tables", "render_free_queue", "render_frame", "render_grid",
+           "render_pool", "render_prefix_tree"]

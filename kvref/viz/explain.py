@@ -184,7 +184,10 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
                          "anywhere before makes this and every later block miss"
                          if leading else
                          f"g{gid} (full, blocks of {bs}): block 0 (tokens 0-{bs - 1}) missed: "
-                         "no cached block has its hash, so nothing of this prefix is cached")
+                         "no cached block has its hash, so nothing of this prefix is cached "
+                         f"(the pool holds {_num_cached(pool)} cached blocks, "
+                         f"{_num_cached(pool, free_only=True)} of them free: the cache is not "
+                         "empty, it holds other prefixes)")
         else:
             lines.append(f"g{gid} (full, blocks of {bs}): all {leading} hashed blocks are "
                          "cached")
@@ -216,6 +219,11 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
         lines.append(f"hits are multiples of scheduler_block_size "
                      f"{coordinator.scheduler_block_size} (the LCM of the block sizes)")
     return lines
+
+
+def _num_cached(pool, free_only: bool = False) -> int:
+    return sum(1 for b in pool.blocks if b.block_hash is not None
+               and not (free_only and b.ref_cnt > 0))
 
 
 def _explain_after(player: TracePlayer, op: dict, facts, queue_before,

@@ -8,6 +8,7 @@ No vLLM counterpart. Text panels for a ``TracePlayer`` position:
 * ``render_stats``: usage, evictable cached blocks and hit rate per step as
   sparklines (``▁▃▅█``), with the current value;
 * ``render_frame``: everything for one position, within 80 columns;
+* ``render_pool``: grid, free queue and block tables of any live manager;
 * ``render_summary``: the totals ``kvref demo`` ends with.
 """
 
@@ -176,6 +177,15 @@ def render_frame(player: TracePlayer, verbose: bool = False, compact: bool = Fal
         parts.append(render_events(facts))
     parts.append(render_stats(player))
     return Group(*parts)
+
+
+def render_pool(manager, request_ids=None) -> Group:
+    """The grid, the free queue, usage and the block tables of a live manager."""
+    pool = manager.block_pool
+    usage = Text(f"usage {manager.usage:.0%}   free blocks {pool.get_num_free_blocks()} "
+                 f"of {pool.num_gpu_blocks - 1}")
+    return Group(render_grid(pool), render_free_queue(pool), usage,
+                 render_block_tables(manager, request_ids))
 
 
 def render_summary(summary: TraceSummary, title: str = "summary") -> Table:

@@ -14,8 +14,8 @@ one character per block, with the ref count as a digit where blocks are shared.
 Pools too large for that are drawn aggregated, one character per run of blocks
 (its most common state), and say so; the exact counts are always printed::
 
-    >>> from rich.console import Console
-    >>> Console(width=80).print(render_pool(manager))     # doctest: +SKIP
+    from rich.console import Console
+    Console(width=80).print(render_grid(manager.block_pool))
 """
 
 from __future__ import annotations
@@ -134,13 +134,3 @@ def render_free_queue(pool, head: int = 16, tail: int = 6) -> Text:
     text.append(f"\n({len(queue)} free: {len(queue) - cached} empty, {cached} cached)", style="dim")
     return text
 
-
-def render_pool(manager, request_ids=None) -> Group:
-    """Grid, free queue, usage and the block tables (kept for ``kvref demo`` callers)."""
-    from kvref.viz.tables import render_block_tables
-
-    pool = manager.block_pool
-    usage = Text(f"usage {manager.usage:.0%}   free blocks {pool.get_num_free_blocks()} "
-                 f"of {pool.num_gpu_blocks - 1}")
-    return Group(render_grid(pool), render_free_queue(pool), usage,
-                 render_block_tables(manager, request_ids))

@@ -99,18 +99,22 @@ def multi_turn() -> Preset:
             message = _tokens(rng, 6)
             if turn == 0:
                 head = system[:2] + [900 + turn] + system[3:] if stamp else system
-                arrivals.append(Arrival(rid, head + message, 5, step=c))
+                # c2 comes after the others are done: the pool is idle (usage 0%),
+                # full of cached blocks, and still nothing hits.
+                arrivals.append(Arrival(rid, head + message, 5, step=20 if stamp else c))
             elif stamp:
                 # The client re-renders the history with a new time stamp at token 2.
                 arrivals.append(Arrival(rid, lambda hist, m=message, t=turn:
                                         hist[:2] + [900 + t] + hist[3:] + m, 5, after=prev))
             else:
                 arrivals.append(Arrival(rid, lambda hist, m=message: hist + m, 5, after=prev))
-    return Preset("multi-turn", "3 chats x 3 turns; chat c2 stamps the time into token 2",
+    return Preset("multi-turn", "3 chats x 3 turns; chat c2 (alone, later) stamps the time "
+                  "into token 2",
                   _full(64), 4, 128, 48, arrivals,
                   notes=["c0 and c1 resend their history: each turn hits the last one's "
                          "full blocks; c2 changes token 2 every turn, so block 0's hash "
-                         "differs and nothing after it can hit"])
+                         "differs and nothing after it can hit, although usage is 0% "
+                         "and the pool is full of cached blocks"])
 
 
 def rag() -> Preset:

@@ -2,7 +2,8 @@
 
 import re
 
-from kvref.viz.pool import render_free_queue, render_grid, render_pool
+from kvref.viz.panels import render_pool
+from kvref.viz.pool import render_free_queue, render_grid
 from tests.viz.helpers import admit, full_manager, text_of, widest_line
 
 SYSTEM = list(range(100, 108))
