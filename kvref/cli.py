@@ -233,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-animate", action="store_true",
                       help="print every step instead of animating (automatic when not a "
                       "terminal)")
-    demo.add_argument("--pause", type=float, default=1.5, metavar="S",
-                      help="seconds per step when animating (default 1.5)")
+    demo.add_argument("--pause", type=float, default=1.0, metavar="S",
+                      help="seconds per step when animating (default 1.0)")
     demo.set_defaults(run=cmd_demo)
 
     viz = sub.add_parser("viz", help="step through a trace or a workload",

@@ -27,6 +27,7 @@ import json
 import os
 from typing import Any
 
+from kvref import VLLM_VERSION
 from kvref.core.kv_cache_manager import KVCacheBlocks
 from kvref.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -39,7 +40,6 @@ from kvref.kv_cache_interface import (
 from kvref.request import Request
 from kvref.verify.trace_replay import TRACE_FORMAT, TraceReplayer
 
-VLLM_VERSION = "0.25.1"
 # Block-pool attributes a scheduler may read through the recorder (nothing that changes state).
 _READ_ONLY_POOL = frozenset({"blocks", "null_block", "free_block_queue", "num_gpu_blocks",
                              "hash_block_size", "enable_caching", "get_num_free_blocks",
@@ -48,7 +48,7 @@ _READ_ONLY_POOL = frozenset({"blocks", "null_block", "free_block_queue", "num_gp
 _READ_ONLY_MANAGER = frozenset({"empty_kv_cache_blocks", "num_kv_cache_groups",
                                 "max_model_len", "kv_cache_config", "enable_caching",
                                 "log_stats", "use_eagle", "watermark_blocks",
-                                "create_kv_cache_blocks", "coordinator", "check_valid"})
+                                "create_kv_cache_blocks", "check_valid"})
 
 
 def group_header(spec) -> dict:
