@@ -80,6 +80,8 @@ def cmd_demo(args, console: Console) -> int:
     from kvref.viz.panels import render_frame, render_summary
     from kvref.viz.player import summarize
 
+    if args.pause < 0:
+        raise UsageError(f"kvref demo: --pause must be >= 0, got {args.pause}")
     trace = _workload_trace(args.workload, args.steps)
     player = _player(trace)
     console.print(Rule(f"kvref demo: {args.workload}"))
@@ -199,7 +201,7 @@ def cmd_replay(args, console: Console) -> int:
             trace = _read(str(path))
             try:
                 result = replay(trace, not args.no_hashes, args.check_invariants)
-            except (TraceError, KeyError, TypeError) as exc:
+            except (TraceError, KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise UsageError(f"{path}: malformed trace ({type(exc).__name__}: {exc})") \
                     from None
             ops += result.num_ops
@@ -282,11 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvref.viz.player import TraceError
+
     console = Console()
     try:
         args = build_parser().parse_args(argv)
         return args.run(args, console)
-    except UsageError as exc:
+    except (UsageError, TraceError) as exc:
+        # A trace found malformed midway (viz stepping into a bad op) is bad input too.
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

@@ -192,7 +192,7 @@ class TracePlayer:
             observed = self.replayer.run(op)
         except MalformedTrace as exc:
             raise TraceError(f"op #{index} {op['op']}: {exc}") from None
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TraceError(f"op #{index} {op['op']}: malformed op "
                              f"({type(exc).__name__}: {exc})") from None
         after = observed["state"]

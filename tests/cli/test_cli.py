@@ -116,19 +116,24 @@ def _bad_files(tmp_path, recorded):
     notjson.write_text("this is not json\n")
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"format": "otherformat/3", "ops": []}))
-    return {"missing": (missing, "no such file"), "truncated gzip": (truncated, "cannot read"),
+    bogus = tmp_path / "bogus.json"
+    trace = json.loads(recorded.read_text())
+    trace["ops"].insert(3, {"op": "bogus", "expect": {}})
+    bogus.write_text(json.dumps(trace))
+    return {"missing": (missing, "no such file"), "unknown op": (bogus, "unknown op 'bogus'"), "truncated gzip": (truncated, "cannot read"),
             "truncated json": (cut, "not valid JSON"), "not json": (notjson, "not valid JSON"),
             "wrong format": (wrong, "not a kvtrace/1 trace")}
 
 
-BAD_CASES = ["missing", "truncated gzip", "truncated json", "not json", "wrong format"]
+BAD_CASES = ["missing", "truncated gzip", "truncated json", "not json", "wrong format",
+             "unknown op"]
 
 
 @pytest.mark.parametrize("command", ["viz", "explain", "replay"])
 @pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_trace_files_exit_2_with_one_line(tmp_path, recorded, command, case):
     path, reason = _bad_files(tmp_path, recorded)[case]
-    args = [command, path] + (["--op", "1"] if command == "explain" else [])
+    args = [command, path] + (["--op", "5"] if command == "explain" else [])
     result = kvref(*args)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and reason in result.stderr
@@ -148,6 +153,8 @@ def test_bad_trace_files_exit_2_with_one_line(tmp_path, recorded, command, case)
     (["viz", "TRACE", "--export", "out.png"], "must end in .svg or .html"),
     (["viz"], "give a TRACE file or --workload"),
     (["demo", "--steps", "0"], "--steps must be at least 1"),
+    (["demo", "--pause", "-1"], "--pause must be >= 0"),
+    (["record", "--workload", "chat", "-o", "/nonexistent-dir/x.json"], "cannot write"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["replay", "/nonexistent-dir/"], "no such file"),
 ])
