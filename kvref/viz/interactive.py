@@ -93,6 +93,8 @@ def run_interactive(console: Console, player: TracePlayer,
     stepper = Stepper(player)
     message = HELP
     while not stepper.done:
+        if console.is_terminal:
+            console.clear()                 # one frame on screen at a time
         console.print(render_frame(player, verbose=stepper.verbose))
         if message:
             console.print(message, style="dim")
