@@ -6,7 +6,10 @@ exactly as it would call the manager, every call is written down as a trace op,
 and the scheduler's own bookkeeping on a request (``num_computed_tokens``,
 ``status``, ``num_preemptions``, new output tokens) is written as the
 ``set_*`` / ``append_output_token_ids`` ops just before the next call that
-passes that request, which is when the manager could first see it::
+passes that request, which is when the manager could first see it
+(``sync_requests()`` writes everyone's bookkeeping at once, e.g. at a step's
+end). ``pop_blocks_for_free`` and writes to ``block_pool`` are not recordable
+(kvref's scheduler uses neither); they raise ``AttributeError``::
 
     recorder = RecordingKVCacheManager(header)        # builds the manager from the header
     scheduler = Scheduler(recorder, max_num_batched_tokens=64)
@@ -130,8 +133,6 @@ class RecordingKVCacheManager:
         self.live: list[Any] = []                       # what each op returned in the live run
         self._known: dict[str, dict] = {}               # request id -> what the trace has told
         self._last_hit: dict[str, KVCacheBlocks] = {}
-        self._handles: dict[int, str] = {}
-        self.notes: dict[int, str] = {}                 # op index -> annotation
 
     # -- plumbing ----------------------------------------------------------------
 
@@ -143,10 +144,6 @@ class RecordingKVCacheManager:
     def _emit(self, op: dict, live: Any = None) -> None:
         self.ops.append(op)
         self.live.append(live)
-
-    def mark(self, note: str) -> None:
-        """Attach a note to the next op (kept in the trace's ``notes``)."""
-        self.notes[len(self.ops)] = note
 
     def _sync(self, request: Request) -> None:
         """Tell the trace what the scheduler did to ``request`` since the last call."""
@@ -338,8 +335,6 @@ class RecordingKVCacheManager:
                  "generator": {"tool": "kvref record", **(generator or {})}}
         if narration:
             trace["narration"] = {str(k): v for k, v in narration.items()}
-        if self.notes:
-            trace["notes"] = {str(k): v for k, v in self.notes.items()}
         trace["ops"] = ops
         return trace
 

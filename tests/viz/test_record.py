@@ -89,3 +89,9 @@ def test_written_trace_reads_back_equal_one_op_per_line(tmp_path, traces):
     lines = plain.read_text().splitlines()
     assert sum(1 for line in lines if line.startswith('    {"op": ')) == len(trace["ops"])
     assert gzip.open(packed, "rt").read() == plain.read_text()
+
+
+def test_unrecordable_calls_say_so():
+    rec = RecordingKVCacheManager(_header())
+    with pytest.raises(AttributeError, match="no recordable 'pop_blocks_for_free'"):
+        rec.pop_blocks_for_free
