@@ -137,7 +137,8 @@ class Walkthrough(ABC):
 
 
 def _ids(ids) -> str:
-    return ", ".join(map(str, ids))
+    """``[0, 0, 9]`` -> ``"∅, ∅, 9"`` (block 0 is the null block)."""
+    return ", ".join("∅" if i == 0 else str(i) for i in ids)
 
 
 class PrefixCachingWalkthrough(Walkthrough):
@@ -268,13 +269,19 @@ class PrefixCachingWalkthrough(Walkthrough):
                 "their hashes are dropped and later requests can no longer hit them.")
 
     def _reset(self):
+        def hashed():
+            return [b.block_id for b in self.pool().blocks if b.block_hash is not None]
+
+        cached_before = hashed()
         refused = self.m.reset_prefix_cache()
+        self.claim("reset is refused while blocks are in use", refused is False)
+        self.claim("a refused reset changes nothing", hashed() == cached_before)
         for rid in ("C", "D", "E"):
             self.finish(rid)
+        queue = self.free_queue()
         done = self.m.reset_prefix_cache()
-        hashed = [b.block_id for b in self.pool().blocks if b.block_hash is not None]
-        self.claim("reset is refused while blocks are in use", refused is False)
-        self.claim("reset succeeds once all are free", done is True and not hashed)
+        self.claim("reset succeeds once all are free", done is True and not hashed())
+        self.claim("the free queue keeps its order", self.free_queue() == queue)
         return ("reset_prefix_cache while C, D and E hold blocks returns False and changes "
                 "nothing. Once they finish it returns True: every cached prefix is "
                 "forgotten (no ○ left), the free queue keeps its order.")
@@ -315,11 +322,13 @@ class SlidingWindowWalkthrough(Walkthrough):
         nulls = [i for i, b in enumerate(window) if b == 0]
         freed = [window_before[i] for i in nulls]
         self.claim("the window table starts with null blocks", nulls == list(range(len(nulls))))
+        computed = self.reqs["A"].num_computed_tokens - 1
+        self.claim("as many as the skipped tokens fill",
+                   len(nulls) == (computed - 8 + 1) // 4 > 0)
         self.claim("the full table has no null block", 0 not in full)
         self.claim("the dropped window blocks are free but cached",
                    all(self.pool().blocks[b].ref_cnt == 0 and self.is_cached(b)
                        for b in freed))
-        computed = self.reqs["A"].num_computed_tokens - 1
         return (f"A decodes a token. The next token reads only the last 8 tokens, so the "
                 f"first {computed - 8 + 1} of its {computed} computed tokens are never read "
                 f"again: the window group replaces its first {len(nulls)} blocks with the "
@@ -336,12 +345,13 @@ class SlidingWindowWalkthrough(Walkthrough):
         self.claim("the window hit is nulls then the last blocks",
                    window_hit[:len(window_hit) - need] == [0] * (len(window_hit) - need)
                    and len(real) == need)
-        self.claim("one of them was free and is reused", any(b not in a_window for b in real))
+        reused = [b for b in real if b not in a_window]
+        self.claim("one of them was free and is reused", len(reused) == 1)
         return (f"Request B shares the {len(self.SYSTEM)}-token system prompt and hits "
                 f"{num_hit} tokens. Full attention reuses all of {_ids(hit[0])}; the window "
                 f"group needs only the last {need} blocks (its window reads 7 earlier tokens), "
-                f"so its hit is {_ids(window_hit)} with ∅ for what it never reads. A cached "
-                "window block A had already freed comes back into use.")
+                f"so its hit is [{_ids(window_hit)}]: ∅ stands for what it never reads. Block "
+                f"{reused[0]}, a window block A had freed (still cached), comes back into use.")
 
     def _evicted_window_blocks(self):
         b_full, b_window = self.blocks_of("B")
@@ -377,7 +387,10 @@ class SlidingWindowWalkthrough(Walkthrough):
         for rid in ("A", "B", "C"):
             self.finish(rid)
         in_use = [b.block_id for b in self.pool().blocks if b.ref_cnt > 0 and not b.is_null]
+        queue = self.free_queue()
         self.claim("every block is free again", not in_use)
+        self.claim("the null block is not in the free queue", 0 not in queue)
+        self.claim("cached blocks are at the back", self.is_cached(queue[-1]))
         return ("A, B and C finish. The null block was never a real allocation, so only "
                 "real blocks return to the free queue, cached ones at the back.")
 
