@@ -194,7 +194,7 @@ def render_summary(summary: TraceSummary, title: str = "summary") -> Table:
     table.add_column("value", justify="right")
     table.add_row("steps / ops / requests",
                   f"{summary.num_steps} / {summary.num_ops} / {summary.num_requests}")
-    table.add_row("prefix-cache hit rate",
+    table.add_row("prefix-cache hit rate (per lookup, as vLLM counts)",
                   f"{summary.hit_rate:.1%} ({summary.hits} of {summary.queries} tokens)")
     table.add_row("prompt tokens saved (served by the cache)", str(summary.prompt_tokens_saved))
     table.add_row("cached blocks evicted", str(summary.evictions))
