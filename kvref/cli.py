@@ -111,6 +111,8 @@ def cmd_viz(args, console: Console) -> int:
 
     if (args.trace is None) == (args.workload is None):
         raise UsageError("kvref viz: give a TRACE file or --workload W (one of them)")
+    if args.trace is not None and args.steps is not None:
+        raise UsageError("kvref viz: --steps applies to --workload only")
     trace = _read(args.trace) if args.trace else _workload_trace(args.workload, args.steps)
     player = _player(trace)
     if not player.ops:

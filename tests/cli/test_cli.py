@@ -152,6 +152,7 @@ def test_bad_trace_files_exit_2_with_one_line(tmp_path, recorded, command, case)
     (["viz", "TRACE", "--step", "500"], "no step 500"),
     (["viz", "TRACE", "--export", "out.png"], "must end in .svg or .html"),
     (["viz"], "give a TRACE file or --workload"),
+    (["viz", "TRACE", "--steps", "3"], "--steps applies to --workload only"),
     (["demo", "--steps", "0"], "--steps must be at least 1"),
     (["demo", "--pause", "-1"], "--pause must be >= 0"),
     (["record", "--workload", "chat", "-o", "/nonexistent-dir/x.json"], "cannot write"),
