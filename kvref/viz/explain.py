@@ -188,6 +188,7 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
                          f"(the pool holds {_num_cached(pool)} cached blocks, "
                          f"{_num_cached(pool, free_only=True)} of them free: the cache is not "
                          "empty, it holds other prefixes)")
+            lines.append(_why_never_cached(player, req, leading, bs))
         else:
             lines.append(f"g{gid} (full, blocks of {bs}): all {leading} hashed blocks are "
                          "cached")
@@ -219,6 +220,37 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
         lines.append(f"hits are multiples of scheduler_block_size "
                      f"{coordinator.scheduler_block_size} (the LCM of the block sizes)")
     return lines
+
+
+def _why_never_cached(player: TracePlayer, req, block: int, bs: int) -> str:
+    """Compare with the earlier request sharing the most leading tokens."""
+    mine = list(req.all_token_ids)
+    best_req, best = None, -1
+    for other in player.requests.values():
+        if other is req:
+            continue
+        common = 0
+        for a, b in zip(mine, other.all_token_ids):
+            if a != b:
+                break
+            common += 1
+        if common > best:
+            best_req, best = other, common
+    if best_req is None:
+        return "no earlier request in this trace: nothing could have been cached for it"
+    rid = best_req.request_id
+    if best >= (block + 1) * bs:
+        return (f"{rid} has the same tokens through block {block}, but that block is not "
+                "cached now: it was evicted or reset since, or never computed (a "
+                "request's last sampled token is never computed)")
+    if best == best_req.num_tokens:
+        return (f"the closest earlier request, {rid}, is a prefix of this one: it ends "
+                f"after {best} tokens, inside block {best // bs}, so that block was never "
+                "full and never cached (typical of a chat's next turn)")
+    return (f"the closest earlier request, {rid}, shares only the first {best} tokens: "
+            f"token {best} differs (block {best // bs}), and from there on every hash "
+            "differs (compared by token ids; a LoRA, cache salt or image also changes "
+            "hashes)")
 
 
 def _num_cached(pool, free_only: bool = False) -> int:

@@ -77,3 +77,24 @@ def test_an_op_out_of_range_is_an_index_error():
     trace = PrefixCachingWalkthrough().record()
     with pytest.raises(IndexError, match="out of range"):
         explain(trace, len(trace["ops"]))
+
+
+@pytest.fixture(scope="module")
+def multi_turn():
+    return record_workload("multi-turn")
+
+
+def test_a_next_chat_turn_stops_where_the_last_turn_ended(multi_turn):
+    text = "\n".join(explain(multi_turn, _lookup(multi_turn, "c0.t1")))
+    t0 = next(op for op in multi_turn["ops"] if op.get("req") == "c0.t0"
+              and op["op"] == "add_request")
+    previous = len(t0["prompt"]) + t0["max_tokens"]          # prompt + its outputs
+    assert f"c0.t0, is a prefix of this one: it ends after {previous} tokens" in text
+    assert f"agreed hit: {previous // 4 * 4} tokens" in text
+
+
+def test_a_changed_early_token_is_found(multi_turn):
+    text = "\n".join(explain(multi_turn, _lookup(multi_turn, "c2.t1")))
+    assert "block 0 (tokens 0-3) missed" in text
+    assert "token 2 differs (block 0)" in text
+    assert "cached blocks" in text and "the cache is not empty" in text
