@@ -8,7 +8,6 @@ invariants after every step.
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +19,8 @@ from kvref import (
     RequestStatus,
     SlidingWindowSpec,
 )
-from kvref.engine import ModelFreeRunner, SamplingParams, Scheduler, engine_step
-from kvref.invariants import check
+from kvref.engine import EngineRequest, ModelFreeRunner, SamplingParams, Scheduler, engine_step
+from kvref.engine.ngram_proposer import NgramProposer
 
 VOCAB = 97
 
@@ -42,18 +41,21 @@ def make_manager(num_blocks: int, block_size: int = 4, max_model_len: int = 64,
 
 def run_to_completion(scheduler: Scheduler, runner: ModelFreeRunner,
                       arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] = None,
-                      max_steps: int = 500) -> None:
-    """Step until done, adding ``arrivals[step]`` before each step; check invariants."""
+                      max_steps: int = 500) -> dict[str, EngineRequest]:
+    """Step until done, adding ``arrivals[step]`` before each step; check invariants.
+    Returns the requests that arrived, by id."""
     arrivals = arrivals or {}
+    arrived: dict[str, EngineRequest] = {}
     step = 0
     while scheduler.has_unfinished_requests() or any(s >= step for s in arrivals):
         for request_id, prompt, params in arrivals.get(step, []):
-            scheduler.new_request(request_id, prompt, params)
+            arrived[request_id] = scheduler.new_request(request_id, prompt, params)
         if scheduler.has_unfinished_requests():
             engine_step(scheduler, runner)
-        check(scheduler.kv_cache_manager)
+        scheduler.kv_cache_manager.check_valid()          # every invariant of specs/
         step += 1
         assert step < max_steps, "the scheduler made no progress"
+    return arrived
 
 
 def test_chunked_prefill_splits_a_prompt_over_the_token_budget():
@@ -212,7 +214,7 @@ def test_finished_and_aborted_requests_free_their_blocks():
     assert "b" not in scheduler.requests
     run_to_completion(scheduler, runner)
     assert manager.block_pool.get_num_free_blocks() == 15       # all but the null block
-    check(manager)
+    manager.check_valid()
 
 
 def test_sliding_window_blocks_become_null_blocks_as_the_window_moves():
@@ -227,6 +229,37 @@ def test_sliding_window_blocks_become_null_blocks_as_the_window_moves():
     assert any(b.is_null for b in window)
     run_to_completion(scheduler, runner)
     assert req.output_token_ids == runner.reference_output(list(range(1, 17)), 3)
+
+
+def test_ngram_drafts_are_verified_and_rejected_ones_rolled_back():
+    # A 3-token vocabulary makes the hash "model" repeat itself, so drafts often hit.
+    manager = make_manager(40, max_model_len=64)
+    scheduler = Scheduler(manager, max_num_batched_tokens=16)
+    runner = ModelFreeRunner(vocab_size=3, drafter=NgramProposer(2, 3, 4, max_model_len=64))
+    prompts = {f"r{i}": [(i * 7 + j) % 3 for j in range(5 + i)] for i in range(4)}
+    arrivals = {0: [(rid, p, SamplingParams(max_tokens=24, ignore_eos=True))
+                    for rid, p in prompts.items()]}
+    requests = run_to_completion(scheduler, runner, arrivals)
+    for rid, prompt in prompts.items():
+        assert requests[rid].output_token_ids == ModelFreeRunner(3).reference_output(prompt, 24)
+    stats = scheduler.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens    # some of each
+    # Steps that decoded more than one token per request: accepted drafts at work.
+    assert stats.num_steps < 24 + 1
+
+
+def test_a_draft_is_cut_to_the_token_budget():
+    manager = make_manager(40)
+    scheduler = Scheduler(manager, max_num_batched_tokens=3)
+    runner = ModelFreeRunner(VOCAB)
+    req = scheduler.new_request("a", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine_step(scheduler, runner)
+    scheduler.update_draft_token_ids({"a": [9, 9, 9, 9]})
+    output = scheduler.schedule()
+    # 1 real token + 2 of the 4 drafts fill the budget of 3.
+    assert output.num_scheduled_tokens == {"a": 3}
+    assert output.scheduled_spec_decode_tokens == {"a": [9, 9]}
+    assert req.spec_token_ids == []
 
 
 EXERCISED = {"preemptions": 0, "cached": 0, "chunks": 0}
@@ -260,16 +293,9 @@ def test_any_workload_generates_what_the_model_alone_generates(
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         arrivals.setdefault(step, []).append((f"r{i}", prompt, params))
         expected[f"r{i}"] = runner.reference_output(prompt, max_tokens)
-    outputs: dict[str, list[int]] = {}
-    original_free = scheduler._free_request
-
-    def keep_output(request):
-        outputs[request.request_id] = list(request.output_token_ids)
-        original_free(request)
-
-    scheduler._free_request = keep_output
-    run_to_completion(scheduler, runner, arrivals)
-    assert outputs == expected
+    requests = run_to_completion(scheduler, runner, arrivals)
+    assert {rid: r.output_token_ids for rid, r in requests.items()} == expected
+    assert all(r.is_finished() for r in requests.values())
     EXERCISED["preemptions"] += scheduler.stats.num_preemptions
     EXERCISED["cached"] += scheduler.stats.prompt_tokens_cached
     EXERCISED["chunks"] += sum(1 for r in scheduler.step_records
