@@ -26,6 +26,7 @@ from kvref import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    MambaSpec,
     Request,
     RequestStatus,
     SlidingWindowSpec,
@@ -34,6 +35,7 @@ from kvref import (
     sha256,
 )
 from kvref.attention import make_kv_cache, paged_attention, write_kv
+from kvref.attention.mamba_state import make_state_cache, mamba_step, recurrence_reference
 from kvref.worker import MultiGroupBlockTable
 
 DEVICES = [
@@ -85,6 +87,18 @@ class TinyLayer:
         return tuple(t.reshape(n, -1, d).to(self.device, self.dtype) for t in (q, k, v))
 
 
+class TinyMambaLayer:
+    """x of a token from its id alone; the recurrence carries the position."""
+
+    def __init__(self, state_size: int, seed: int, device: str, vocab: int = 50) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tok = torch.randn(vocab, state_size, generator=g).to(device)
+        self.decay = (0.5 + 0.5 * torch.rand(state_size, generator=g)).to(device)
+
+    def x(self, tokens: list[int]) -> torch.Tensor:
+        return self.tok[tokens]
+
+
 def dense_reference(layer: TinyLayer, tokens: list[int], query_len: int, scale: float,
                     window: int | None, chunk: int | None) -> torch.Tensor:
     """SDPA over the whole sequence laid out densely: ``[query_len, H, D]``."""
@@ -109,6 +123,7 @@ class GroupBatch:
     block_table: torch.Tensor            # [num_reqs, max_blocks] from the worker's table
     manager_table: torch.Tensor          # same shape, from manager.get_block_ids() now
     slot_mapping: torch.Tensor           # [num_tokens]
+    state_before: torch.Tensor | None = None   # Mamba groups: the state cache before the step
 
 
 @dataclass
@@ -154,15 +169,19 @@ class Run:
         self.kernel_block_sizes = list(kernel_block_sizes or block_sizes)
         self.table = MultiGroupBlockTable(max_num_reqs, max_model_len, max_num_batched_tokens,
                                           device, block_sizes, self.kernel_block_sizes)
-        self.layers = [TinyLayer(num_heads, num_kv_heads, head_size, seed + i, device, dtype)
-                       for i in range(len(self.specs))]
-        self.caches = [make_kv_cache(num_blocks * (bs // kbs), kbs, num_kv_heads, head_size,
+        self.layers = [TinyMambaLayer(head_size, seed + i, device) if isinstance(s, MambaSpec)
+                       else TinyLayer(num_heads, num_kv_heads, head_size, seed + i, device, dtype)
+                       for i, s in enumerate(self.specs)]
+        self.caches = [make_state_cache(num_blocks, head_size, torch.float32, device, fill)
+                       if isinstance(s, MambaSpec) else
+                       make_kv_cache(num_blocks * (bs // kbs), kbs, num_kv_heads, head_size,
                                      dtype, device, fill)
-                       for bs, kbs in zip(block_sizes, self.kernel_block_sizes)]
+                       for s, bs, kbs in zip(self.specs, block_sizes, self.kernel_block_sizes)]
         self.scale = head_size ** -0.5
         self.device = device
         self.requests: dict[str, Request] = {}
         self.rows: list[str] = []         # row r of the block table holds rows[r]
+        self.admissions: list[tuple[str, int]] = []   # (request, prefix-hit tokens)
 
     # -- requests -----------------------------------------------------------
 
@@ -223,6 +242,7 @@ class Run:
                 if self.manager.allocate_slots(req, n, num_hit, hit) is None:
                     raise RuntimeError(f"no room to admit {req_id}")
                 req.num_computed_tokens = num_hit
+                self.admissions.append((req_id, num_hit))
                 req.status = RequestStatus.RUNNING
                 self.rows.append(req_id)
                 self.table.add_row(self.manager.get_block_ids(req_id), len(self.rows) - 1)
@@ -246,14 +266,27 @@ class Run:
             tokens.extend(req.all_token_ids[start:start + n])
             step.query_start_loc.append(step.query_start_loc[-1] + n)
             step.seq_lens.append(start + n)
+        if not tokens:
+            raise ValueError(f"nothing to compute in step {schedule}")
         num_reqs = len(self.rows)
         qsl = torch.tensor(step.query_start_loc)
         slot_mappings = self.table.compute_slot_mapping(num_reqs, qsl,
                                                         torch.tensor(step.positions))
         for g, (spec, layer, cache) in enumerate(zip(self.specs, self.layers, self.caches)):
+            block_table = self.table[g].get_device_tensor(num_reqs)
+            if isinstance(spec, MambaSpec):
+                x = layer.x(tokens)
+                before = cache.clone()
+                y = mamba_step(x, cache, decay=layer.decay, query_start_loc=qsl,
+                               seq_lens=step.seq_lens, block_table=block_table,
+                               block_size=spec.block_size,
+                               mamba_cache_mode=spec.mamba_cache_mode)
+                step.groups.append(GroupBatch(g, x, y, block_table,
+                                              self.manager_table(g, block_table.shape[1]),
+                                              slot_mappings[g], before))
+                continue
             q, k, v = layer.qkv(tokens, step.positions)
             write_kv(cache, k, v, slot_mappings[g])
-            block_table = self.table[g].get_device_tensor(num_reqs)
             out = paged_attention(q, cache, query_start_loc=qsl, seq_lens=step.seq_lens,
                                   block_table=block_table, scale=self.scale,
                                   sliding_window=window_of(spec),
@@ -282,7 +315,11 @@ class Run:
         outs = []
         for r, req_id in enumerate(step.req_ids):
             q_len = step.query_len(r)
-            if q_len:
+            if q_len and isinstance(spec, MambaSpec):
+                tokens = list(self.requests[req_id].all_token_ids[:step.seq_lens[r]])
+                layer = self.layers[group]
+                outs.append(recurrence_reference(layer.x(tokens), layer.decay)[-q_len:])
+            elif q_len:
                 tokens = list(self.requests[req_id].all_token_ids[:step.seq_lens[r]])
                 outs.append(dense_reference(self.layers[group], tokens, q_len, self.scale,
                                             window_of(spec), chunk_of(spec)))
@@ -331,6 +368,9 @@ def check_step(run: Run, step: Step, atol: float = 1e-5) -> None:
         assert torch.isfinite(out[:step.query_start_loc[-1]]).all()
         if step.query_start_loc[-1]:
             torch.testing.assert_close(out, run.reference(step, g), atol=atol, rtol=0)
+        if isinstance(spec, MambaSpec):
+            check_mamba_step(run, step, gb)
+            continue
         readable = run.readable_slots(step, g)
         kbs = run.kernel_block_sizes[g]
         k = spec.block_size // kbs
@@ -357,3 +397,28 @@ def check_step(run: Run, step: Step, atol: float = 1e-5) -> None:
             assert nulls == list(range(lo // spec.block_size)), (
                 f"{req_id}: first query at {first_query} sees keys from {lo}; "
                 f"null blocks at {nulls} in {ids}")
+
+
+def check_mamba_step(run: Run, step: Step, gb: GroupBatch) -> None:
+    """A Mamba group reads one state block per request, never the null block:
+    with every other block NaN (before the step) the outputs and the written
+    states are the same."""
+    spec = run.specs[gb.group]
+    bs = spec.block_size
+    read = set()
+    for r in range(len(step.req_ids)):
+        context_len = step.seq_lens[r] - step.query_len(r)
+        if step.query_len(r) and context_len:
+            block = int(gb.manager_table[r, (context_len - 1) // bs])
+            assert block != 0, f"row {r} would read its state from the null block"
+            read.add(block)
+    poisoned = torch.full_like(gb.state_before, float("nan"))
+    for block in read:
+        poisoned[block] = gb.state_before[block]
+    y = mamba_step(gb.query, poisoned, decay=run.layers[gb.group].decay,
+                   query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
+                   block_table=gb.manager_table, block_size=bs,
+                   mamba_cache_mode=spec.mamba_cache_mode)
+    assert torch.equal(y, gb.output)
+    written = ~torch.isnan(poisoned).any(dim=1)
+    assert torch.equal(poisoned[written], run.caches[gb.group][written])

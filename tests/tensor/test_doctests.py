@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 MODULES = ["kvref.worker.block_table", "kvref.attention.paged_attention",
-           "kvref.attention.flashinfer"]
+           "kvref.attention.flashinfer", "kvref.attention.cascade",
+           "kvref.attention.mamba_state"]
 
 
 @pytest.mark.parametrize("name", MODULES)
