@@ -182,7 +182,9 @@ class SlidingWindowSpec(AttentionSpec):
         """Most blocks one request can hold at once, given that blocks left of
         the window are freed before each chunk: ``window - 1`` old tokens plus a
         chunk, and one more block because the window need not start on a block
-        boundary."""
+        boundary. One number for two uses, as in vLLM: sizing the pool and
+        capping the full-sequence admission check, so that a request the pool
+        was sized for is never refused for good."""
         num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens,
                          max_model_len)
         return math.ceil(num_tokens / self.block_size) + 1
@@ -209,7 +211,9 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def max_admission_blocks_per_request(self, max_num_batched_tokens: int,
                                          max_model_len: int) -> int:
-        """Most blocks one request can hold at once: one chunk plus a batch."""
+        """Most blocks one request can hold at once: one chunk plus a batch
+        (used, like the sliding window's, both to size the pool and to cap
+        the full-sequence admission check)."""
         num_tokens = min(self.attention_chunk_size + max_num_batched_tokens,
                          max_model_len)
         return math.ceil(num_tokens / self.block_size)
@@ -254,6 +258,8 @@ class MambaSpec(KVCacheSpec):
                 or self.num_speculative_blocks < 0):
             raise ValueError("MambaSpec.num_speculative_blocks must be an int "
                              f">= 0, got {self.num_speculative_blocks!r}")
+        if self.page_size_padded is not None:
+            _positive_int("page_size_padded", self.page_size_padded, "MambaSpec")
         if len(self.shapes) != len(self.dtypes):
             raise ValueError(f"MambaSpec needs one dtype per state shape, got "
                              f"shapes={self.shapes!r}, dtypes={self.dtypes!r}")

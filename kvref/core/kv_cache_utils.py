@@ -354,6 +354,9 @@ def get_num_blocks(num_layers: int, available_memory: int, page_size: int,
     page per block, so ``available_memory // page_size // num_layers``.
     ``num_gpu_blocks_override`` (vLLM's ``--num-gpu-blocks-override``) replaces
     the answer. The null block is one of the blocks counted."""
+    if num_layers <= 0 or page_size <= 0:
+        raise ValueError(f"num_layers ({num_layers}) and page_size ({page_size}) "
+                         "must be positive")
     if num_gpu_blocks_override is not None:
         return num_gpu_blocks_override
     return max(int(available_memory // page_size // num_layers), 0)

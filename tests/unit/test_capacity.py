@@ -62,6 +62,8 @@ def test_mamba_page_is_its_state_tensors_or_the_padded_size():
         MambaSpec(16).page_size_bytes
     with pytest.raises(ValueError, match="one dtype per state shape"):
         MambaSpec(16, shapes=((4,),), dtypes=())
+    with pytest.raises(ValueError, match="page_size_padded must be a positive int"):
+        MambaSpec(16, page_size_padded=0)
 
 
 def test_capacity_fields_leave_spec_equality_as_it_was():
@@ -133,6 +135,8 @@ def test_a_memory_budget_buys_bytes_over_page_over_layers_blocks():
     assert get_num_blocks(32, 8 * 2**30 - 1, page) == 4095
     assert get_num_blocks(32, 0, page) == 0
     assert get_num_blocks(32, 8 * 2**30, page, num_gpu_blocks_override=100) == 100
+    with pytest.raises(ValueError, match="must be positive"):
+        get_num_blocks(0, 8 * 2**30, page)
 
 
 def test_groups_sharing_a_pool_must_share_a_page_size():
