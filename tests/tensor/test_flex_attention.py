@@ -70,9 +70,13 @@ def flex_paged_attention(query, kv_cache, block_table, query_start_loc, seq_lens
     return torch.cat([out[r, :, :q_lens[r]].transpose(0, 1) for r in range(num_reqs)])
 
 
-# Each attention type once, a hybrid and split kernel blocks (flex is slow eagerly).
-FLEX_CONFIGS = ["full", "sliding_window", "chunked_local", "hybrid_full_swa",
-                "kernel_split_swa"]
+# Every attention type, hybrids and split kernel blocks, in three runs (eager flex
+# traces each new shape with dynamo: seconds per run).
+FLEX_CONFIGS = ["hybrid_full_chunked", "hybrid_full_swa", "kernel_split_swa"]
+# Of mixed_run's steps: two prefill chunks; chunk + decode; a chunk after a
+# prefix hit next to a decode; a re-admission after preemption; the last decode
+# (the window has slid over freed blocks).
+COMPARED_STEPS = {0, 1, 3, 5, 12}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -80,7 +84,9 @@ FLEX_CONFIGS = ["full", "sliding_window", "chunked_local", "hybrid_full_swa",
 def test_torch_paged_flex_attention_agrees_with_kvref(config, device):
     run = Run(num_blocks=48, device=device, fill=0.0, **CONFIGS[config])
     num_compared = 0
-    for step in mixed_run(run):
+    for i, step in enumerate(mixed_run(run)):
+        if i not in COMPARED_STEPS:
+            continue
         for gb in step.groups:
             spec = run.specs[gb.group]
             out = flex_paged_attention(gb.query, run.caches[gb.group], gb.block_table,
@@ -89,4 +95,4 @@ def test_torch_paged_flex_attention_agrees_with_kvref(config, device):
             torch.testing.assert_close(out, gb.output[:step.query_start_loc[-1]],
                                        atol=1e-5, rtol=0)
             num_compared += 1
-    assert num_compared >= 13
+    assert num_compared == len(COMPARED_STEPS) * len(run.specs)
