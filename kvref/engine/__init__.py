@@ -6,6 +6,7 @@
     model.py              vllm/model_executor/models/llama.py (qwen2.py, qwen3.py)
     loader.py             vllm/model_executor/model_loader/ (default_loader, weight_utils)
     model_free_runner.py  a runner with no model (deterministic tokens), no torch needed
+    ngram_proposer.py     vllm/v1/spec_decode/ngram_proposer.py (speculative drafts)
     request.py            vllm/v1/request.py (generation fields), check_stop
     sampling_params.py    vllm/sampling_params.py
 
@@ -15,6 +16,7 @@ on first use.
 """
 
 from kvref.engine.model_free_runner import ModelFreeRunner, engine_step
+from kvref.engine.ngram_proposer import NgramProposer
 from kvref.engine.request import EngineRequest
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.scheduler import (
@@ -26,7 +28,6 @@ from kvref.engine.scheduler import (
 )
 
 
-
 def __getattr__(name: str):
     # The model side needs torch; import it only when asked for.
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
@@ -35,5 +36,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvref.engine' has no attribute {name!r}")
 
 
-__all__ = ["CompletionOutput", "LLM", "RequestOutput", "EngineRequest", "ModelFreeRunner", "ModelRunnerOutput", "SamplingParams",
-           "Scheduler", "SchedulerOutput", "SchedulerStats", "StepRecord", "engine_step"]
+__all__ = ["CompletionOutput", "EngineRequest", "LLM", "ModelFreeRunner", "ModelRunnerOutput",
+           "NgramProposer", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerOutput",
+           "SchedulerStats", "StepRecord", "engine_step"]

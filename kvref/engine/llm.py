@@ -26,6 +26,7 @@ import torch
 from kvref import KVCacheManager, SlidingWindowSpec
 from kvref.engine.loader import load_model
 from kvref.engine.model_runner import GPUModelRunner, make_kv_cache_config
+from kvref.engine.ngram_proposer import NgramProposer
 from kvref.engine.request import EngineRequest
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.scheduler import Scheduler, SchedulerStats
@@ -77,6 +78,8 @@ class LLM:
         kv_cache_memory_bytes: the memory the default pool size may use.
         enable_kv_cache_events: queue the manager's block events
             (``llm.kv_cache_manager.take_events()``).
+        speculative_config: ``{"method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_min": a, "prompt_lookup_max": b}`` (vLLM's keys).
     """
 
     def __init__(self, model, *, block_size: int = 16, num_gpu_blocks: int | None = None,
@@ -86,7 +89,8 @@ class LLM:
                  watermark: float = 0.0, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, keep_logits: bool = False,
                  kv_cache_memory_bytes: int = 1 << 30,
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False,
+                 speculative_config: dict | None = None) -> None:
         self.device = torch.device(device)
         self.model = load_model(model, self.device, dtype)
         self.dtype = next(self.model.parameters()).dtype
@@ -128,10 +132,25 @@ class LLM:
         self.model_runner = GPUModelRunner(
             self.model, self.kv_cache_config, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_seqs,
-            device=self.device, dtype=self.dtype, keep_logits=keep_logits)
+            device=self.device, dtype=self.dtype, keep_logits=keep_logits,
+            drafter=self._make_drafter(speculative_config))
         self.after_step: list[Callable[[LLM], None]] = []
         self._logits: dict[str, list[torch.Tensor]] = {}
         self._next_request_id = 0
+
+    def _make_drafter(self, speculative_config: dict | None) -> NgramProposer | None:
+        if not speculative_config:
+            return None
+        config = dict(speculative_config)
+        method = config.pop("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative method {method!r} is not supported (ngram)")
+        k = config.pop("num_speculative_tokens")
+        low = config.pop("prompt_lookup_min", 1)
+        high = config.pop("prompt_lookup_max", low)
+        if config:
+            raise ValueError(f"unknown speculative_config keys {sorted(config)}")
+        return NgramProposer(low, high, k, self.max_model_len)
 
     def _blocks_per_full_request(self, kv_cache_config, block_size: int) -> int:
         total = 0
@@ -169,8 +188,9 @@ class LLM:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
         for req_id, logits in runner_output.logits.items():
-            self._logits.setdefault(req_id, []).append(logits)
+            self._logits.setdefault(req_id, []).extend(logits)
         finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.scheduler.update_draft_token_ids(self.model_runner.take_draft_token_ids())
         for hook in self.after_step:
             hook(self)
         return [self._make_output(req) for req in finished]
@@ -199,8 +219,9 @@ class LLM:
         return [done[request_id] for request_id in order]
 
     def _make_output(self, request: EngineRequest) -> RequestOutput:
-        completion = CompletionOutput(0, list(request.output_token_ids),
-                                      request.get_finished_reason(),
-                                      self._logits.pop(request.request_id, []))
+        tokens = list(request.output_token_ids)
+        # A stop inside an accepted draft drops its tail: drop those logits too.
+        logits = self._logits.pop(request.request_id, [])[:len(tokens)]
+        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits)
         return RequestOutput(request.request_id, list(request.prompt_token_ids),
                              [completion], True, request.num_cached_tokens)

@@ -5,8 +5,8 @@ which are Llama plus QKV bias, or plus per-head q/k RMSNorm and sliding-window
 layers). Written the gpt-fast way: each piece a few lines, shapes in comments.
 The batch is packed: ``[num_tokens, ...]``, requests back to back, no padding.
 
-    token ids ─ embed ─┬─ N x [ RMSNorm ─ attention ─ + ─ RMSNorm ─ gated MLP ─ + ] ─ RMSNorm ─ lm_head
-                        (residual stream)
+    token ids ─ embed ─ N x [ x + attention(RMSNorm(x)) ; x + MLP(RMSNorm(x)) ]
+              ─ RMSNorm ─ lm_head ─ logits        (x: the residual stream)
 
 Attention writes this step's keys and values into the layer's paged cache
 (``kvref.attention.write_kv``) and reads the request's whole context back

@@ -49,10 +49,16 @@ class RunnerRequestState:
 
 
 class RunnerRequestStates:
-    """The runner's copy of each request, kept in step with the scheduler's output."""
+    """The runner's copy of each request, kept in step with the scheduler's output.
 
-    def __init__(self) -> None:
+    With a ``drafter`` (``NgramProposer``), requests that sampled get a draft
+    for the next step, collected by ``take_draft_token_ids``.
+    """
+
+    def __init__(self, drafter=None) -> None:
         self.requests: dict[str, RunnerRequestState] = {}
+        self.drafter = drafter
+        self._draft_token_ids: dict[str, list[int]] = {}
 
     def update_states(self, scheduler_output: SchedulerOutput) -> list[RunnerRequestState]:
         """Apply one step's ``SchedulerOutput``; return the scheduled states in batch order.
@@ -97,16 +103,59 @@ class RunnerRequestStates:
         """Whether this step reaches the request's last token (a cut prefill does not)."""
         return state.num_computed_tokens + num_scheduled_tokens >= len(state.token_ids)
 
+    @staticmethod
+    def scheduled_token_ids(state: RunnerRequestState, num_scheduled_tokens: int,
+                            draft: list[int]) -> list[int]:
+        """This step's input tokens: the request's next known tokens, then its draft."""
+        start = state.num_computed_tokens
+        known = state.token_ids[start:start + num_scheduled_tokens - len(draft)]
+        if len(known) + len(draft) != num_scheduled_tokens or (
+                draft and start + len(known) != len(state.token_ids)):
+            raise RuntimeError(f"request {state.req_id!r}: {num_scheduled_tokens} tokens "
+                               f"({len(draft)} drafts) scheduled from position {start}, "
+                               f"but it has {len(state.token_ids)} tokens")
+        return known + draft
+
+    @staticmethod
+    def accept_draft(draft: list[int], targets: list[int]) -> list[int]:
+        """Rejection sampling for a draft of exact tokens: ``targets[j]`` is the
+        model's token after the context plus ``draft[:j]``. Keep drafts while the
+        model agrees; end with the model's own token (the first disagreement, or
+        a bonus token after a fully accepted draft). Sampling ``targets`` from
+        the model's distribution keeps that distribution exact."""
+        out = []
+        for proposed, target in zip(draft, targets):
+            out.append(target)
+            if target != proposed:
+                return out
+        out.append(targets[len(draft)])
+        return out
+
+    def finish_step(self, state: RunnerRequestState, num_scheduled_tokens: int,
+                    draft: list[int], sampled: list[int]) -> None:
+        """Advance the state past this step: new tokens in, rejected drafts rolled back."""
+        state.token_ids.extend(sampled)
+        num_rejected = len(draft) - (len(sampled) - 1) if sampled else 0
+        state.num_computed_tokens += num_scheduled_tokens - num_rejected
+        if sampled and self.drafter is not None:
+            self._draft_token_ids[state.req_id] = self.drafter.propose(state.token_ids)
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """The drafts proposed in the last step, by request id (then forgotten)."""
+        drafts, self._draft_token_ids = self._draft_token_ids, {}
+        return drafts
+
 
 class ModelFreeRunner(RunnerRequestStates):
     """Emits ``crc32(tokens so far) % vocab_size`` for each request that samples.
 
     Args:
         vocab_size: tokens are drawn from ``range(vocab_size)``.
+        drafter: an ``NgramProposer`` for speculative decoding, or None.
     """
 
-    def __init__(self, vocab_size: int = 32000) -> None:
-        super().__init__()
+    def __init__(self, vocab_size: int = 32000, drafter=None) -> None:
+        super().__init__(drafter)
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
@@ -127,17 +176,15 @@ class ModelFreeRunner(RunnerRequestStates):
         sampled: list[list[int]] = []
         for state in states:
             n = scheduler_output.num_scheduled_tokens[state.req_id]
-            if state.num_computed_tokens + n > len(state.token_ids):
-                raise RuntimeError(f"request {state.req_id!r}: {n} tokens scheduled from "
-                                   f"{state.num_computed_tokens} but it has only "
-                                   f"{len(state.token_ids)}")
+            draft = scheduler_output.scheduled_spec_decode_tokens.get(state.req_id, [])
+            self.scheduled_token_ids(state, n, draft)          # checks the counts
+            tokens: list[int] = []
             if self.samples(state, n):
-                token = self.next_token(state.token_ids)
-                state.token_ids.append(token)
-                sampled.append([token])
-            else:
-                sampled.append([])
-            state.num_computed_tokens += n
+                targets = [self.next_token(state.token_ids + draft[:j])
+                           for j in range(len(draft) + 1)]
+                tokens = self.accept_draft(draft, targets)
+            sampled.append(tokens)
+            self.finish_step(state, n, draft, tokens)
         req_ids = [s.req_id for s in states]
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -145,8 +192,9 @@ class ModelFreeRunner(RunnerRequestStates):
 
 
 def engine_step(scheduler: Scheduler, runner) -> tuple[SchedulerOutput, ModelRunnerOutput]:
-    """One engine step (vLLM's ``EngineCore.step``): schedule, run, update."""
+    """One engine step (vLLM's ``EngineCore.step``): schedule, run, update, take drafts."""
     scheduler_output = scheduler.schedule()
     runner_output = runner.execute_model(scheduler_output)
     scheduler.update_from_output(scheduler_output, runner_output)
+    scheduler.update_draft_token_ids(runner.take_draft_token_ids())
     return scheduler_output, runner_output

@@ -95,8 +95,10 @@ class _Batch:
 
     input_ids: torch.Tensor            # [num_tokens]
     positions: torch.Tensor            # [num_tokens]
-    logits_indices: torch.Tensor       # [num_sampling]: last token of each sampling request
-    sampling_states: list[RunnerRequestState]
+    logits_indices: torch.Tensor       # [num_logits]: rows whose next token is sampled
+    # Per request that samples: its state, its draft, and its rows of logits_indices
+    # (the last known token, then each draft token: len(draft) + 1 rows).
+    sampling: list[tuple[RunnerRequestState, list[int], slice]]
     attn_metadata: list[AttentionMetadata]   # per layer
 
 
@@ -111,13 +113,14 @@ class GPUModelRunner(RunnerRequestStates):
         device, dtype: where and in what the KV cache lives.
         keep_logits: return each sampled token's logits (float32, CPU) in
             ``ModelRunnerOutput.logits`` (tests compare them with transformers).
+        drafter: an ``NgramProposer`` for speculative decoding, or None.
     """
 
     def __init__(self, model: TransformerForCausalLM, kv_cache_config: KVCacheConfig, *,
                  max_model_len: int, max_num_batched_tokens: int, max_num_reqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 keep_logits: bool = False) -> None:
-        super().__init__()
+                 keep_logits: bool = False, drafter=None) -> None:
+        super().__init__(drafter)
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
@@ -172,44 +175,51 @@ class GPUModelRunner(RunnerRequestStates):
                                    sampled_token_ids=[[] for _ in states])
         if not states:
             return output
-        batch = self._prepare_inputs(states, scheduler_output.num_scheduled_tokens)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        batch = self._prepare_inputs(states, num_scheduled, drafts)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
                             batch.attn_metadata)
-        for state in states:
-            state.num_computed_tokens += scheduler_output.num_scheduled_tokens[state.req_id]
-        if not batch.sampling_states:
-            return output
-        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
-        tokens = self._sample(logits, batch.sampling_states)
-        for row, (state, token) in enumerate(zip(batch.sampling_states, tokens)):
-            state.token_ids.append(token)
-            output.sampled_token_ids[output.req_id_to_index[state.req_id]] = [token]
+        logits = None
+        if batch.sampling:
+            logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        sampled: dict[str, list[int]] = {}
+        for state, draft, rows in batch.sampling:
+            targets = self._sample(logits[rows], state)
+            sampled[state.req_id] = self.accept_draft(draft, targets)
             if self.keep_logits:
-                output.logits[state.req_id] = logits[row].cpu()
+                output.logits[state.req_id] = logits[rows][:len(sampled[state.req_id])].cpu()
+        for state in states:
+            tokens = sampled.get(state.req_id, [])
+            output.sampled_token_ids[output.req_id_to_index[state.req_id]] = tokens
+            self.finish_step(state, num_scheduled[state.req_id], drafts.get(state.req_id, []),
+                             tokens)
         return output
 
     def _prepare_inputs(self, states: list[RunnerRequestState],
-                        num_scheduled_tokens: dict[str, int]) -> _Batch:
+                        num_scheduled_tokens: dict[str, int],
+                        drafts: dict[str, list[int]]) -> _Batch:
         input_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        sampling_states: list[RunnerRequestState] = []
+        sampling: list[tuple[RunnerRequestState, list[int], slice]] = []
         for row, state in enumerate(states):
             n = num_scheduled_tokens[state.req_id]
+            draft = drafts.get(state.req_id, [])
             start = state.num_computed_tokens
-            if start + n > len(state.token_ids):
-                raise RuntimeError(f"request {state.req_id!r}: {n} tokens scheduled from "
-                                   f"position {start}, but it has {len(state.token_ids)}")
-            input_ids.extend(state.token_ids[start:start + n])
+            input_ids.extend(self.scheduled_token_ids(state, n, draft))
             positions.extend(range(start, start + n))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(start + n)
             self.block_table.add_row(state.block_ids, row)
             if self.samples(state, n):
-                logits_indices.append(query_start_loc[-1] - 1)
-                sampling_states.append(state)
+                # Rows of the last known token and of each draft token.
+                first = len(logits_indices)
+                end = query_start_loc[-1]
+                logits_indices.extend(range(end - len(draft) - 1, end))
+                sampling.append((state, draft, slice(first, len(logits_indices))))
 
         device = self.device
         positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
@@ -229,15 +239,14 @@ class GPUModelRunner(RunnerRequestStates):
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=positions_t,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
-            sampling_states=sampling_states,
+            sampling=sampling,
             attn_metadata=[per_group[g] for g in self.layer_to_group])
 
-    def _sample(self, logits: torch.Tensor, states: list[RunnerRequestState]) -> list[int]:
-        """Greedy (argmax) at temperature 0, else softmax sampling with the request's RNG."""
-        tokens = logits.argmax(dim=-1).tolist()
-        for row, state in enumerate(states):
-            params = state.sampling_params
-            if params is not None and params.temperature > 0.0:
-                probs = torch.softmax(logits[row] / params.temperature, dim=-1)
-                tokens[row] = int(torch.multinomial(probs, 1, generator=state.generator))
-        return tokens
+    def _sample(self, logits: torch.Tensor, state: RunnerRequestState) -> list[int]:
+        """One token per row of ``logits [rows, vocab]``: argmax at temperature 0,
+        else softmax sampling with the request's own RNG."""
+        params = state.sampling_params
+        if params is None or params.temperature == 0.0:
+            return logits.argmax(dim=-1).tolist()
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=state.generator).squeeze(-1).tolist()

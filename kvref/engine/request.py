@@ -38,9 +38,10 @@ class EngineRequest(Request):
         self.output_token_ids: list[int] = []
         # Tokens served by the prefix cache at the first admission (vLLM's meaning).
         self.num_cached_tokens = -1
-        # Draft tokens proposed for the next step (speculative decoding is not
-        # modelled: always empty, kept so the scheduler reads like vLLM's).
+        # Draft tokens proposed for the next step (n-gram speculative decoding).
         self.spec_token_ids: list[int] = []
+        # Whether the last step stopped inside the known tokens (sampled nothing).
+        self.is_prefill_chunk = True
         self.stop_reason: int | None = None
 
     @property

@@ -1,9 +1,10 @@
 """The scheduler: which requests run this step, and how many tokens each.
 
 Mirrors ``vllm/v1/core/sched/scheduler.py`` (v0.25.1), FCFS policy, without
-the KV connector, encoder inputs, LoRA, structured output, async scheduling
-and speculative decoding. What is left is the part that drives the KV cache
-manager, in vLLM's order and with vLLM's calls::
+the KV connector, encoder inputs, LoRA, structured output and async
+scheduling; speculative decoding only with draft tokens that need no KV
+lookahead slots (the n-gram proposer). What is left is the part that drives
+the KV cache manager, in vLLM's order and with vLLM's calls::
 
     schedule()
       1. RUNNING requests, oldest first. Each wants
@@ -26,7 +27,10 @@ manager, in vLLM's order and with vLLM's calls::
       3. Every scheduled request's num_computed_tokens += its tokens now,
          so a cut prefill continues next step without waiting for the model.
     update_from_output(output)
-      append each sampled token, check_stop, and free finished requests.
+      roll num_computed_tokens back over rejected draft tokens, append each
+      sampled token, check_stop, and free finished requests.
+    update_draft_token_ids(drafts)
+      draft tokens for the next step (decoding requests only).
 
 Use it with any runner that turns a ``SchedulerOutput`` into a
 ``ModelRunnerOutput``: ``kvref.engine.model_runner.GPUModelRunner`` runs a
@@ -54,7 +58,8 @@ API summary (what other code relies on):
     ``new_request(request_id, prompt_token_ids, sampling_params) -> EngineRequest``
     or ``add_request(EngineRequest)``; ``schedule() -> SchedulerOutput``;
     ``update_from_output(scheduler_output, model_runner_output) -> list[EngineRequest]``
-    (the requests that finished); ``finish_requests(ids, status)`` (abort);
+    (the requests that finished); ``update_draft_token_ids({req_id: draft})``;
+    ``finish_requests(ids, status)`` (abort);
     ``has_unfinished_requests()``; ``running``, ``waiting``, ``requests``;
     ``step_records`` (one ``StepRecord`` per step: scheduled tokens, admitted,
     resumed, preempted, finished, prefix-hit tokens, free blocks) and ``stats``
@@ -118,6 +123,7 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]   # draft tokens, after the real ones
     num_common_prefix_blocks: list[int]
     preempted_req_ids: set[str]
     finished_req_ids: set[str]            # finished since the previous step
@@ -128,8 +134,10 @@ class ModelRunnerOutput:
     """What the runner returns (``vllm/v1/outputs.py``).
 
     ``sampled_token_ids[req_id_to_index[r]]`` is ``[token]`` for a request whose
-    scheduled tokens reached its last token, ``[]`` for a cut prefill chunk.
-    ``logits`` (optional) maps a request id to the last position's logits.
+    scheduled tokens reached its last token, ``[]`` for a cut prefill chunk;
+    with draft tokens, the accepted drafts and then one token of the model's.
+    ``logits`` (optional) maps a request id to the ``[num_sampled, vocab]``
+    logits its sampled tokens were drawn from.
     """
 
     req_ids: list[str]
@@ -155,8 +163,9 @@ class StepRecord:
     num_free_blocks: int                  # after scheduling
     num_running: int
     num_waiting: int
-    finished: list[str] = field(default_factory=list)   # filled by update_from_output
-    sampled: dict[str, int] = field(default_factory=dict)
+    # Filled by update_from_output: who finished, and the tokens each request took.
+    finished: list[str] = field(default_factory=list)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -169,11 +178,15 @@ class SchedulerStats:
     """
 
     num_steps: int = 0
+    num_requests: int = 0
+    num_prompt_tokens: int = 0            # prompt lengths of the requests added
     num_preemptions: int = 0
     num_finished: int = 0
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
     total_tokens_scheduled: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -249,6 +262,8 @@ class Scheduler:
                              f"{self.max_model_len})")
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += request.num_prompt_tokens
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -284,6 +299,7 @@ class Scheduler:
         preempted: list[EngineRequest] = []
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         prefix_hit_tokens: dict[str, int] = {}
         token_budget = self.max_num_scheduled_tokens
         manager.new_step_starts()
@@ -320,6 +336,14 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+
+            if request.spec_token_ids:
+                # The drafts that fit after the real tokens (the budget may cut them).
+                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                if num_spec > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = \
+                        request.spec_token_ids[:num_spec]
+                request.spec_token_ids = []       # the runner proposes fresh ones
 
         # 2. WAITING requests, unless this step had to preempt (the pool is tight).
         if not preempted:
@@ -394,6 +418,7 @@ class Scheduler:
             scheduled_cached_reqs=cached_reqs_data,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             num_common_prefix_blocks=num_common_prefix_blocks,
             preempted_req_ids={req.request_id for req in preempted},
             finished_req_ids=self.finished_req_ids)
@@ -424,6 +449,7 @@ class Scheduler:
             request = self.requests[req_id]
             self._count_prompt_tokens_computed(request, n)
             request.num_computed_tokens += n
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
         self.stats.total_tokens_scheduled += output.total_num_scheduled_tokens
         self.stats.num_steps += 1
         # A fresh set: the output just built keeps the old one.
@@ -462,10 +488,18 @@ class Scheduler:
             new_token_ids = model_runner_output.sampled_token_ids[index]
             if not new_token_ids:
                 continue                          # a cut prefill samples nothing
+            draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if draft:
+                # All but the last sampled token are accepted drafts; the slots of
+                # the rejected ones count as not computed (they get overwritten).
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(draft) - num_accepted
+                self.stats.num_draft_tokens += len(draft)
+                self.stats.num_accepted_tokens += num_accepted
             for token in new_token_ids:
                 request.append_output_token_ids(token)
                 if record is not None:
-                    record.sampled[req_id] = token
+                    record.sampled.setdefault(req_id, []).append(token)
                 if check_stop(request, self.max_model_len):
                     finished.append(request)
                     break
@@ -475,6 +509,14 @@ class Scheduler:
             if record is not None:
                 record.finished.append(request.request_id)
         return finished
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Store each request's draft for the next step (vLLM drops drafts of prefill chunks)."""
+        for req_id, draft in draft_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            request.spec_token_ids = [] if request.is_prefill_chunk else list(draft)
 
     def _free_request(self, request: EngineRequest) -> None:
         assert request.is_finished()

@@ -188,17 +188,39 @@ def test_seeded_sampling_is_reproducible():
     assert outs[0] == outs[1] != outs[2]
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, database=None)
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
+             prompt_lookup_max=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_ngram_speculative_decoding_matches_transformers(kind, device):
+    # A 16-token vocabulary: tiny random models fall into loops that n-grams predict.
+    model = llama(seed=2, vocab_size=16) if kind == "llama" else hybrid(seed=2, vocab_size=16,
+                                                                          window=4)
+    prompts = shared_prefix_prompts(16, seed=2)
+    llm, watcher = make_llm(model, device, num_gpu_blocks=40, speculative_config=NGRAM)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert_matches_transformers(model, prompts, outputs, 16)
+    stats = llm.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_preemptions > 0
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
 @given(data=st.data(),
        num_gpu_blocks=st.integers(17, 40),
        budget=st.integers(4, 32),
-       use_window=st.booleans())
-def test_drawn_workloads_match_transformers(data, num_gpu_blocks, budget, use_window):
+       use_window=st.booleans(),
+       speculate=st.booleans())
+def test_drawn_workloads_match_transformers(data, num_gpu_blocks, budget, use_window,
+                                            speculate):
     model = HYPOTHESIS_MODELS[use_window]
     vocab = model.config.vocab_size
     prefixes = [[], [7, 1, 8, 2, 8, 1, 8, 2], [3] * 5 + [4] * 5]
     llm, _ = make_llm(model, "cpu", num_gpu_blocks=num_gpu_blocks,
-                      max_num_batched_tokens=budget)
+                      max_num_batched_tokens=budget,
+                      speculative_config=NGRAM if speculate else None)
     arrivals: dict[int, list[tuple[list[int], int]]] = {}
     for _ in range(data.draw(st.integers(2, 8), label="num_requests")):
         prefix = data.draw(st.sampled_from(prefixes), label="shared_prefix")
@@ -218,8 +240,10 @@ def test_drawn_workloads_match_transformers(data, num_gpu_blocks, budget, use_wi
             llm.step()
         step += 1
         assert step < 500
+    assert llm.kv_cache_manager.block_pool.get_num_free_blocks() == num_gpu_blocks - 1
     for request, prompt, max_tokens in requests:
         assert request.output_token_ids == reference(model, prompt, max_tokens)[0][:max_tokens]
 
 
-HYPOTHESIS_MODELS = {False: llama(seed=11, layers=1), True: hybrid(seed=11, window=4)}
+HYPOTHESIS_MODELS = {False: llama(seed=11, layers=1, vocab_size=24),
+                     True: hybrid(seed=11, window=4, vocab_size=24)}

@@ -8,7 +8,6 @@ invariants after every step.
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +20,7 @@ from kvref import (
     SlidingWindowSpec,
 )
 from kvref.engine import EngineRequest, ModelFreeRunner, SamplingParams, Scheduler, engine_step
+from kvref.engine.ngram_proposer import NgramProposer
 
 VOCAB = 97
 
@@ -229,6 +229,37 @@ def test_sliding_window_blocks_become_null_blocks_as_the_window_moves():
     assert any(b.is_null for b in window)
     run_to_completion(scheduler, runner)
     assert req.output_token_ids == runner.reference_output(list(range(1, 17)), 3)
+
+
+def test_ngram_drafts_are_verified_and_rejected_ones_rolled_back():
+    # A 3-token vocabulary makes the hash "model" repeat itself, so drafts often hit.
+    manager = make_manager(40, max_model_len=64)
+    scheduler = Scheduler(manager, max_num_batched_tokens=16)
+    runner = ModelFreeRunner(vocab_size=3, drafter=NgramProposer(2, 3, 4, max_model_len=64))
+    prompts = {f"r{i}": [(i * 7 + j) % 3 for j in range(5 + i)] for i in range(4)}
+    arrivals = {0: [(rid, p, SamplingParams(max_tokens=24, ignore_eos=True))
+                    for rid, p in prompts.items()]}
+    requests = run_to_completion(scheduler, runner, arrivals)
+    for rid, prompt in prompts.items():
+        assert requests[rid].output_token_ids == ModelFreeRunner(3).reference_output(prompt, 24)
+    stats = scheduler.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens    # some of each
+    # Steps that decoded more than one token per request: accepted drafts at work.
+    assert stats.num_steps < 24 + 1
+
+
+def test_a_draft_is_cut_to_the_token_budget():
+    manager = make_manager(40)
+    scheduler = Scheduler(manager, max_num_batched_tokens=3)
+    runner = ModelFreeRunner(VOCAB)
+    req = scheduler.new_request("a", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine_step(scheduler, runner)
+    scheduler.update_draft_token_ids({"a": [9, 9, 9, 9]})
+    output = scheduler.schedule()
+    # 1 real token + 2 of the 4 drafts fill the budget of 3.
+    assert output.num_scheduled_tokens == {"a": 3}
+    assert output.scheduled_spec_decode_tokens == {"a": [9, 9]}
+    assert req.spec_token_ids == []
 
 
 EXERCISED = {"preemptions": 0, "cached": 0, "chunks": 0}
