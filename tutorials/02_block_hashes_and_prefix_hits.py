@@ -132,8 +132,8 @@ claim(moved.block_hashes[0] != h1, "tokens 21..24 as block 0 do not hash like to
 # - **LoRA**: an adapter changes the projections, so its name goes into every block's key;
 # - **cache salt** (`cache_salt` in the request): a tenant's secret, in the
 #   first block's key only. The chain carries it into every later block, so
-#   tenants with different salts never share blocks; another tenant cannot
-#   time a hit to learn your prompt;
+#   tenants with different salts never share blocks (and so cannot learn from
+#   a fast answer that someone else sent the same prompt);
 # - **multimodal items**: an image's placeholder tokens are the same token id
 #   repeated, whatever the image. Each block an item overlaps gets
 #   `(item identifier, item offset - block start)`.

@@ -98,8 +98,8 @@ claim(hashed(manager, "r") == [True] * 5 + [False],
 # ## 2. Decode: most steps need no block
 #
 # A running request computes one token per step. Only a step that crosses a
-# block boundary takes a block; the others return the shared empty answer
-# (`manager.empty_kv_cache_blocks`, which vLLM's scheduler compares by identity).
+# block boundary takes a block; the others return the manager's one shared
+# empty answer, `manager.empty_kv_cache_blocks`.
 
 # %%
 section("2. Decode steps")
@@ -209,7 +209,8 @@ claim(manager.block_pool.get_num_free_blocks() == 0 and refused is None and admi
 # **The watermark** keeps a fraction of the pool free when *admitting* requests
 # (status `WAITING` or `PREEMPTED`), so that running requests can still grow
 # without being preempted. It applies only when some request is already
-# scheduled (`has_scheduled_reqs`): an idle engine must still admit. Here
+# scheduled (`has_scheduled_reqs`), so an engine with nothing running still
+# admits. Here
 # `watermark=0.2` of 20 blocks keeps 4 blocks back.
 
 # %%

@@ -123,8 +123,9 @@ def draw_lookups(manager, calls, hashes):
 # Three groups, block size 4: full attention, a sliding window of 8 (a hit must
 # end in 2 cached blocks in a row), Mamba in `all` mode (a hit must end on a
 # cached state). One 33-token request caches 8 full blocks in every group.
-# Then holes: here `evict_blocks` makes them (what a KV connector calls when it
-# learns blocks are stale). In a running server they come from eviction itself:
+# Then holes: here `evict_blocks` makes them (vLLM's scheduler calls it to drop
+# blocks a KV connector failed to load). In a running server they come from
+# eviction itself:
 # each group's blocks return to the free queue at different times (a window
 # frees what falls out of it while the request still runs), so groups lose
 # blocks of the same prefix at different times.

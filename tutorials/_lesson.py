@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import sys
 from pathlib import Path
 
@@ -88,21 +89,24 @@ def start(title: str, *, uses_tensors: bool = False,
 
     ``--device cpu|cuda`` (default cpu) picks where tensors live; lessons with
     ``uses_tensors=False`` accept it and say it changes nothing. ``--figures
-    DIR`` is where plots go (default ``tutorials/figures``).
+    DIR`` is where plots go (default ``$KVREF_TUTORIAL_FIGURES``, else
+    ``tutorials/figures``). In a notebook the kernel's arguments are ignored.
     """
     main = sys.modules.get("__main__")
     main_file = getattr(main, "__file__", None)
     parser = argparse.ArgumentParser(description=title)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where tensors live (lessons without tensors ignore it)")
-    parser.add_argument("--figures", type=Path, default=TUTORIALS_DIR / "figures",
-                        help="folder for the plots a lesson draws")
+    figures = os.environ.get("KVREF_TUTORIAL_FIGURES") or TUTORIALS_DIR / "figures"
+    parser.add_argument("--figures", type=Path, default=Path(figures),
+                        help="folder for the plots a lesson draws (default: "
+                             "$KVREF_TUTORIAL_FIGURES, else tutorials/figures)")
     if argv is None:
         # A notebook kernel's own arguments are not ours.
         argv = [] if _in_notebook() else sys.argv[1:]
     args = parser.parse_args(argv)
 
-    if main_file and not _in_notebook():
+    if main_file and Path(main_file).is_file() and not _in_notebook():
         _state.source = Path(main_file).resolve()
         _state.sites = claim_sites(_state.source.read_text(encoding="utf-8"))
         stem = _state.source.name

@@ -110,6 +110,38 @@ def test_tutorial_opens_as_a_notebook(path):
     assert '"cells"' in jupytext.writes(notebook, fmt="ipynb")
 
 
+NOTEBOOK_RUNNER = """
+import os, sys, types
+import jupytext
+sys.modules.setdefault("ipykernel", types.ModuleType("ipykernel"))  # as under Jupyter
+path = sys.argv[1]
+os.chdir(os.path.dirname(path))
+sys.path.insert(0, os.path.dirname(path))
+namespace = {"__name__": "__main__"}
+for cell in jupytext.read(path).cells:
+    if cell.cell_type == "code":
+        exec(compile(cell.source, path, "exec"), namespace)
+"""
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_tutorial_runs_cell_by_cell_as_a_notebook(path, tmp_path):
+    """The code cells, run in order in one namespace the way a kernel runs them
+    (notebook mode: no script arguments, no site count), check their claims."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), env_path()]),
+               KVREF_TUTORIAL_FIGURES=str(tmp_path), MPLBACKEND="Agg")
+    result = subprocess.run([sys.executable, "-c", NOTEBOOK_RUNNER, str(path)], cwd=REPO,
+                            env=env, capture_output=True, text=True, encoding="utf-8",
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    match = re.search(r"^LESSON notebook: (\d+) claims checked$", result.stdout, re.M)
+    assert match and int(match.group(1)) >= static_claim_sites(path), result.stdout[-2000:]
+
+
+def env_path() -> str:
+    return os.environ.get("PYTHONPATH", "")
+
+
 def test_readme_lists_every_tutorial():
     readme = (TUTORIALS_DIR / "README.md").read_text(encoding="utf-8")
     missing = [p.name for p in TUTORIALS if p.name not in readme]
