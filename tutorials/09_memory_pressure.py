@@ -159,8 +159,9 @@ show(f"prompt tokens computed: {llm_big.stats.prompt_tokens_computed} with 40 bl
 # %% [markdown]
 # ## 3. The watermark
 #
-# `watermark=0.4` (`KVCacheManager(watermark=...)`; vLLM's default is 0.01, a
-# pool of 16 blocks needs a coarse one) keeps `int(0.4 * 16) = 6` blocks back
+# `watermark=0.4` (the scheduler config's `watermark`, passed on to
+# `KVCacheManager`; 0.0, off, by default; a pool of 16 blocks needs a coarse
+# one) keeps `int(0.4 * 16) = 6` blocks back
 # when a request is admitted next to running ones: the admission must leave at
 # least 6 blocks free. An idle engine still admits (nothing is running that
 # needs room), and running requests may use those blocks as they grow.
