@@ -168,9 +168,9 @@ claim(hits == {False: 12, True: 8}, "EAGLE gives up the last hit block: 12 -> 8 
 # %% [markdown]
 # ## 4. Full attention + Mamba + EAGLE: a hit one block too long
 #
-# The setting of `specs/coordinator.md`, INV-HIT-2 (and
-# `/work/shared/VLLM_DEFECTS.md` §1; the recorded trace
-# `hybrid_full_mamba-public-00005`, op 8, shows it in vLLM itself): a model with
+# The exception written up under INV-HIT-2 in `specs/coordinator.md` (the
+# recorded trace `tests/conformance/traces/hybrid_full_mamba/
+# hybrid_full_mamba-public-00005`, op 8, shows it in vLLM itself): a model with
 # full-attention and Mamba layers, served with EAGLE or MTP and prefix caching.
 # No KV cache group is marked `is_eagle_group` (the usual case: the project's
 # defect notes find only DeepSeek-V4 marking one), and then vLLM's coordinator
