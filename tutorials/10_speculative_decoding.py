@@ -13,7 +13,8 @@
 #
 # With speculative decoding a cheap proposer guesses `k` **draft** tokens and
 # the target model checks them all in one step. For the KV cache that means
-# three things, all in `KVCacheManager.allocate_slots` and the scheduler:
+# three things, all in `KVCacheManager.allocate_slots` and the scheduler
+# (section 2b watches the second on a real model):
 #
 # 1. **lookahead slots**: EAGLE/MTP drafters write the keys of their next
 #    drafts, so the scheduler asks for `num_lookahead_tokens` extra slots;
@@ -30,12 +31,14 @@
 
 # %%
 import torch
+import transformers
 from rich.table import Table
 
 from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
                    MambaManager, MambaSpec, Request, RequestStatus, get_request_block_hasher,
                    init_none_hash, sha256)
 from kvref.attention import default_scale, make_kv_cache, paged_attention, write_kv
+from kvref.engine import LLM, SamplingParams
 from kvref.verify.invariants import InvariantViolation, check
 from kvref.viz import render_pool
 from kvref.worker import BlockTable
@@ -143,6 +146,48 @@ claim(r.num_computed_tokens == r.num_tokens - 1 == 8,
 claim(len(manager.get_block_ids("r")[0]) == 4
       and hashed(manager, "r") == [True, False, False, False],
       "the 4 blocks stay; still only block 0 is cached (drafts are never hashed)")
+
+# %% [markdown]
+# ### With a real model: n-gram drafts through the engine
+#
+# kvref's engine implements vLLM's n-gram proposer
+# (`vllm/v1/spec_decode/ngram_proposer.py`): the drafts are the tokens that
+# followed an earlier occurrence of the sequence's final 2 or 3 tokens.
+# A tiny random Llama decodes 40 tokens for two prompts, with up to 3 drafts a
+# step and without any. Random weights make poor guesses, so most drafts are
+# rejected; the tokens must not change either way. A hook checks, after every
+# step, that each running request was rolled back to exactly one token short
+# of its sequence, whatever was rejected.
+
+# %%
+section("2b. n-gram speculative decoding with a real model")
+hf_config = transformers.LlamaConfig(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    initializer_range=0.3, attn_implementation="eager",
+    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(hf_config).eval()
+gen = torch.Generator().manual_seed(2)
+prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (10, 9)]
+params = SamplingParams(max_tokens=40, ignore_eos=True)
+plain = LLM(model, block_size=B, num_gpu_blocks=64, max_model_len=64, device=args.device)
+speculative = LLM(model, block_size=B, num_gpu_blocks=64, max_model_len=64, device=args.device,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+rolled_back = []
+speculative.after_step.append(lambda engine: rolled_back.append(all(
+    r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running)))
+expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+got = [o.outputs[0].token_ids for o in speculative.generate(prompts, params)]
+stats = speculative.stats
+show(f"drafts proposed {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens}, "
+     f"rejected {stats.num_draft_tokens - stats.num_accepted_tokens}")
+claim(got == expected, "with n-gram drafts the engine generates exactly the same 80 tokens")
+claim(stats.num_draft_tokens > stats.num_accepted_tokens > 0,
+      "some drafts were accepted, more were rejected")
+claim(len(rolled_back) == stats.num_steps and all(rolled_back),
+      "after every step each running request is one token short: rejected drafts rolled back")
 
 # %% [markdown]
 # ## 3. The EAGLE last-block drop
