@@ -189,6 +189,18 @@ longest = {
                                        max_num_batched_tokens=T),
     "hybrid": estimate_max_model_len([full] * 8 + [swa] * 40, 8 * GiB, max_model_len=10**6,
                                      max_num_batched_tokens=T)}
+per_group = Table("hybrid group", "layers", "peak blocks per request", box=None,
+                  header_style="bold")
+group_peaks = [g.kv_cache_spec.max_num_blocks_per_request(max_model_len=L,
+                                                          max_num_batched_tokens=T)
+               for g in hybrid.kv_cache_groups]
+for g, (group, peak) in enumerate(zip(hybrid.kv_cache_groups, group_peaks)):
+    per_group.add_row(f"{g}: {type(group.kv_cache_spec).__name__}",
+                      str(len(group.layer_names)), str(peak))
+per_group.add_row("a request, all groups", "48", str(sum(group_peaks)))
+show(per_group)
+claim(group_peaks == [2048] + [193] * 5,
+      "per group: 2048 blocks for the full-attention group, 193 for each window group")
 table = Table("layout", "pool blocks", "peak bytes per request", "requests of 32768 tokens",
               "longest request alone", box=None, header_style="bold")
 for name, config in (("all full", all_full), ("hybrid", hybrid)):
