@@ -241,6 +241,7 @@ manager.allocate_slots(a, 10, num_lookahead_tokens=2)
 a_table, a_mamba = manager.get_block_ids("a")
 out_a = run_step(a_table, a.all_token_ids, 0, 10)      # a's step: keys of positions 0..9
 a.num_computed_tokens = 10
+manager.free(a)                                   # a finished; its blocks stay cached
 
 b = request("b", list(range(8)) + [50, 51])
 manager.new_step_starts()
@@ -295,7 +296,6 @@ claim(len(mamba_hit[0]) * B == 4,
 
 # %%
 section("4b. b's allocation")
-manager.free(a)                                   # a finished; its blocks stay cached
 manager.allocate_slots(b, 2, num_hit, hit, num_lookahead_tokens=2)
 b_table = manager.get_block_ids("b")[0]
 fresh = b_table[1]
