@@ -219,9 +219,9 @@ claim(hits == {False: 12, True: 8}, "EAGLE gives up the last hit block: 12 -> 8 
 # full-attention and Mamba layers, served with EAGLE or MTP and prefix caching.
 # No KV cache group is marked `is_eagle_group` (the usual case: the project's
 # defect notes find only DeepSeek-V4 marking one), and then vLLM's coordinator
-# falls back to applying the drop to **every** group. Each
-# EAGLE group searches one block further than the candidate length and drops
-# one block. Full attention does; `MambaManager.find_longest_cache_hit`
+# falls back to applying the drop to **every** group. Each EAGLE group
+# searches one block further than the candidate length and drops one block.
+# Full attention does; `MambaManager.find_longest_cache_hit`
 # receives `drop_eagle_block` and never reads it. So Mamba returns the state one
 # block *past* full attention, the fixed point accepts that length, and the
 # final trim of the full-attention list can only shorten it.
@@ -271,8 +271,8 @@ claim(inv_hit_2(hit, num_hit, (FULL, MAMBA)) == [0],
 # the EAGLE margin (search one block further, then drop) is given only to
 # groups that are not Mamba ("no margin for mamba: its finder never drops"), so
 # Mamba's search stops at the attention candidate. Asked that way, kvref's
-# own Mamba finder agrees with full attention. (Open upstream PRs such as
-# #48375 and #57128 make the Mamba finder honour the drop instead.)
+# own Mamba finder agrees with full attention. (Upstream pull requests such as
+# #48375 and #57128 propose that the Mamba finder honour the drop instead.)
 
 # %%
 mamba_hit = MambaManager.find_longest_cache_hit(
