@@ -39,7 +39,7 @@ from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheMa
                    init_none_hash, sha256)
 from kvref.attention import default_scale, make_kv_cache, paged_attention, write_kv
 from kvref.engine import LLM, SamplingParams
-from kvref.verify.invariants import InvariantViolation, check
+from kvref.verify.invariants import InvariantViolation, check, check_prefix_hit
 from kvref.viz import render_pool
 from kvref.worker import BlockTable
 
@@ -253,18 +253,22 @@ for g, (spec, blocks) in enumerate(zip((FULL, MAMBA), hit.get_block_ids())):
 show(table)
 
 
-def inv_hit_2(hit, num_hit, specs):
-    """specs/coordinator.md, INV-HIT-2: every group's hit list covers exactly the
-    hit length. Returns the groups that break it (tests/stateful checks this
-    after every lookup, with this one case listed as vLLM's exception)."""
-    return [g for g, (spec, blocks) in enumerate(zip(specs, hit.blocks))
-            if len(blocks) * spec.block_size != num_hit]
+def hit_violation(req, hit, num_hit):
+    """Ask kvref's checker about one lookup (INV-HIT-1, INV-HIT-2 of
+    specs/coordinator.md); the InvariantViolation it raises, or None."""
+    try:
+        check_prefix_hit(manager, req, hit, num_hit)
+    except InvariantViolation as violation:
+        return violation
+    return None
 
 
 claim(num_hit == 8 and hit.get_block_ids() == ([a_table[0]], [0, a_mamba[1]]),
       "b's hit is 8 tokens: Mamba returns a's state at 8, full attention only block 0 (4 tokens)")
-claim(inv_hit_2(hit, num_hit, (FULL, MAMBA)) == [0],
-      "INV-HIT-2 flags group 0: its hit blocks cover 4 of the 8 hit tokens")
+violation = hit_violation(b, hit, num_hit)
+show(f"check_prefix_hit(manager, b, hit, {num_hit}) -> {violation}")
+claim(violation is not None and violation.invariant == "INV-HIT-2" and "group 0" in str(violation),
+      "the checker flags INV-HIT-2 on group 0: its hit blocks cover 4 of the 8 hit tokens")
 
 # %% [markdown]
 # **The search a later vLLM does.** vLLM's main branch changed the coordinator:
@@ -290,8 +294,9 @@ claim(len(mamba_hit[0]) * B == 4,
 # request's tokens, so the fresh, never-written block gets the hash of tokens
 # 4..7, the same key as `a`'s real block 1.
 #
-# kvref's snapshot checker (`kvref.verify.invariants.check`) stays silent: every
-# structural invariant holds. What is wrong is a block's *contents*
+# After the allocation, kvref's snapshot checker (`kvref.verify.invariants.check`)
+# stays silent: every structural invariant holds. Only the lookup itself broke a
+# rule (`check_prefix_hit` above); what is wrong now is a block's *contents*
 # (INV-CONTENT-1), which only the tensors show.
 
 # %%
@@ -377,8 +382,9 @@ out_c = run_step(c_table, c.all_token_ids, num_hit_c, c.num_tokens)
 show(f"c's hit: {hit_c.get_block_ids()}, {num_hit_c} tokens; c's table {c_table}")
 claim(evicted_a1 and fresh in hit_c.get_block_ids()[0],
       f"a's block 1 was evicted; c's full-attention hit contains b's unwritten block {fresh}")
-claim(inv_hit_2(hit_c, num_hit_c, (FULL, MAMBA)) == [0],
-      "c's hit breaks INV-HIT-2 too: 12 hit tokens, full-attention blocks for 8")
+violation_c = hit_violation(c, hit_c, num_hit_c)
+claim(violation_c is not None and violation_c.invariant == "INV-HIT-2",
+      "the checker flags c's hit too: 12 hit tokens, full-attention blocks for 8")
 claim(bool(torch.isnan(out_c).all())
       and not bool(torch.isnan(dense(c.all_token_ids, 12, 15)).any()),
       "c's attention output is NaN, where computing from scratch gives finite values")
