@@ -25,14 +25,19 @@ request's hash chain with its extra keys (INV-CHAIN-2). All the manager
 machine's rules and checks run here too.
 
 With the window skipping one token fewer than vLLM (``n - w`` for ``n - w +
-1``), every safety invariant still holds; the shrunk story ends like::
+1``), every safety invariant still holds; one shrunk story (invariant calls
+left out) reads::
 
     state = WindowAtBlockEdges()
-    state.arrive(lora=None, own_tokens=0, salt=None, shared_prefix='sys-A', ...)
-    state.schedule(data=data(...))
-    ...
-    AssertionError: INV-SKIP-1: after allocate_slots, group 0 of r0 has nulls at
-    [0] for 9 computed tokens; vLLM skips 5 tokens: nulls at [0]  (or similar)
+    state.arrive(lora=None, own_tokens=0, salt=None, shared_prefix='none', skip_cache_read=False)
+    state.arrive_with_extras(image=None, image_at=0, image_len=1, lora=None, own_tokens=0,
+                             priority=0, salt=None, shared_prefix='sys-A')
+    Draw 1 (request): 'r1'
+    state.admit(data=data(...), num_tokens=8)
+    Draw 2 (request): 'r1'
+    state.abort(data=data(...))
+    AssertionError: INV-SKIP-1: after remove_skipped_blocks at finish, group 0 of r1
+    has nulls at [] for 8 computed tokens; vLLM skips 4 tokens: nulls at [0]
 
 Run one class with ``-k``, e.g. ``pytest tests/stateful -k WindowAtBlockEdges``.
 """
@@ -264,7 +269,7 @@ class SchedulerPaths(SchedulerDrivesManager):
     def _admit_waiting(self, name, budget, data) -> tuple[int, int] | None:
         """Admit one waiting request (``None``: refused, stop admitting); returns
         ``(computed, scheduled tokens)``, 0 tokens for an asynchronous load."""
-        s, cfg, req = self.settings, self.config, self.live[name]
+        s, req = self.settings, self.live[name]
         hit, local, ext, load_async = self.manager.empty_kv_cache_blocks, 0, 0, False
         if req.num_computed_tokens == 0:
             before = self._pool_state()
