@@ -154,7 +154,9 @@ class SchedulerPaths(SchedulerDrivesManager):
         self._new_request(tokens, lora, salt, False, features, priority)
 
     def _add_request(self, tokens, lora, salt, skip_cache_read=False):
-        self._new_request(tokens, lora, salt, skip_cache_read, [], 1)
+        # Later arrivals more urgent: a PRIORITY victim is then often a request
+        # already scheduled earlier in the step.
+        self._new_request(tokens, lora, salt, skip_cache_read, [], 2 - self.arrivals % 3)
 
     def _new_request(self, tokens, lora, salt, skip_cache_read, features, priority):
         cfg = self.config
@@ -584,9 +586,9 @@ class SchedulerPaths(SchedulerDrivesManager):
             self.chain_checked[name] = (len(req.block_hashes), parent)
 
 
-def _paths(name, specs, **settings) -> SchedulerSettings:
-    watermark = settings.pop("watermark", 0.0)
-    return SchedulerSettings(ModelConfig(name, specs, watermark=watermark), **settings)
+def _paths(name, specs, watermark=0.0, spare_blocks=2, **settings) -> SchedulerSettings:
+    model = ModelConfig(name, specs, watermark=watermark, spare_blocks=spare_blocks)
+    return SchedulerSettings(model, **settings)
 
 
 class WindowAtBlockEdges(SchedulerPaths):
@@ -606,7 +608,7 @@ class ChunkedLocalPriority(SchedulerPaths):
 
     settings = _paths("chunk_priority", (FullAttentionSpec(4),
                                          ChunkedLocalAttentionSpec(4, attention_chunk_size=8)),
-                      watermark=0.2, policy="priority", connector=True)
+                      watermark=0.2, policy="priority", connector=True, spare_blocks=0)
     config = settings.model
 
 
@@ -618,7 +620,7 @@ class HybridWindowsPriority(SchedulerPaths):
                       (FullAttentionSpec(4), SlidingWindowSpec(4, sliding_window=6),
                        SlidingWindowSpec(4, sliding_window=9)),
                       policy="priority", long_prefill_token_threshold=5,
-                      full_sequence_must_fit=True, connector=True)
+                      full_sequence_must_fit=True, connector=True, spare_blocks=0)
     config = settings.model
 
 
