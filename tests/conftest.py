@@ -21,6 +21,7 @@ settings.register_profile(
     deadline=None,               # a step may build a manager and walk every block
     derandomize=True,
     database=None,               # derandomized runs have nothing to replay
+    report_multiple_bugs=False,  # stop at the first failure: seeded-bug runs stay short
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

@@ -3,13 +3,18 @@
 
 Each entry of ``CATALOGUE`` is a small, plausible bug written as a text edit of
 one kvref source file. For each bug the script copies the project to a
-temporary folder, applies the edit, runs ``pytest tests/stateful`` there, and
-reports whether the suite failed ("killed") and which invariant id the failure
-names. A bug the suite survives is a hole in the checks.
+temporary folder, applies the edit, runs ``pytest tests/stateful`` there (the
+state machines alone: no unit test, no recorded trace), and reports whether the
+suite failed ("killed") and which invariant id the failure names. A bug the
+suite survives is a hole in the checks. With ``--also-other-suites`` it then
+runs the rest of ``tests/`` (unit tests, conformance traces) on the same copy
+and reports whether they catch the bug too.
 
     python tools/seeded_bugs.py                 # every bug, a table at the end
     python tools/seeded_bugs.py -k hit-cap      # bugs whose id contains "hit-cap"
     python tools/seeded_bugs.py --list          # the catalogue only
+    python tools/seeded_bugs.py -k mm- --also-other-suites
+    python tools/seeded_bugs.py -k swa -- -k "not scheduler_paths"   # pytest arguments
 
 Exit status 0 only if every selected bug is killed. An edit whose text is not
 found exactly once in its file is an error: the catalogue must follow the code.
@@ -191,6 +196,124 @@ CATALOGUE: list[SeededBug] = [
               "    if start_token_idx == 0 and request.cache_salt:\n"
               "        keys.append(request.cache_salt)\n",
               ""),
+    # -- The paths of vLLM's scheduler that tests/stateful/test_scheduler_paths_machine.py
+    # drives (specs/scheduler.md); each keeps every safety invariant and is
+    # caught only by the exact model.
+    SeededBug("swa-skip-too-few",
+              "the sliding window frees one token (at a block edge, a block) too late",
+              "kvref/core/single_type_kv_cache_manager.py",
+              "return max(0, num_computed_tokens - self.sliding_window + 1)",
+              "return max(0, num_computed_tokens - self.sliding_window)"),
+    SeededBug("chunk-skip-too-few",
+              "chunked local attention skips by the last computed token's chunk, "
+              "not the next token's (frees nothing exactly at a chunk edge)",
+              "kvref/core/single_type_kv_cache_manager.py",
+              "return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size",
+              "return max(0, num_computed_tokens - 1) // self.attention_chunk_size"
+              " * self.attention_chunk_size"),
+    SeededBug("skip-after-room-check",
+              "allocate_slots frees blocks left of the window only after checking for "
+              "room, so they cannot serve the same step",
+              "kvref/core/kv_cache_manager.py",
+              "        self.coordinator.remove_skipped_blocks(request.request_id, total_computed,\n"
+              "                                               num_prompt_tokens=request.num_prompt_tokens)\n"
+              "\n"
+              "        needed = self.coordinator.get_num_blocks_to_allocate(\n"
+              "            request_id=request.request_id, num_tokens=num_tokens_need_slot,\n"
+              "            new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,\n"
+              "            total_computed_tokens=num_local_computed + num_external_computed_tokens,\n"
+              "            num_tokens_main_model=num_tokens_main_model)\n"
+              "        available = self.block_pool.get_num_free_blocks() - reserved_blocks\n"
+              "        if needed + watermark_blocks > available:\n"
+              "            return None\n",
+              "        needed = self.coordinator.get_num_blocks_to_allocate(\n"
+              "            request_id=request.request_id, num_tokens=num_tokens_need_slot,\n"
+              "            new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,\n"
+              "            total_computed_tokens=num_local_computed + num_external_computed_tokens,\n"
+              "            num_tokens_main_model=num_tokens_main_model)\n"
+              "        available = self.block_pool.get_num_free_blocks() - reserved_blocks\n"
+              "        if needed + watermark_blocks > available:\n"
+              "            return None\n"
+              "        self.coordinator.remove_skipped_blocks(request.request_id, total_computed,\n"
+              "                                               num_prompt_tokens=request.num_prompt_tokens)\n"),
+    SeededBug("finish-skip-args-swapped",
+              "remove_skipped_blocks (the scheduler's call at finish) passes the prompt "
+              "length where the computed count belongs",
+              "kvref/core/kv_cache_manager.py",
+              "        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens,\n"
+              "                                               num_prompt_tokens)\n",
+              "        self.coordinator.remove_skipped_blocks(request_id, num_prompt_tokens,\n"
+              "                                               total_computed_tokens)\n"),
+    SeededBug("partial-block-marked-cached",
+              "a chunk that stops mid-block marks the partial block as cached, so it "
+              "is never cached once full",
+              "kvref/core/single_type_kv_cache_manager.py",
+              "        self.num_cached_block[request.request_id] = num_full\n",
+              "        self.num_cached_block[request.request_id] = cdiv(num_tokens, self.block_size)\n"),
+    SeededBug("external-tokens-not-skipped",
+              "a new request's null prefix ignores its external tokens (window counted "
+              "from the local hit only)",
+              "kvref/core/single_type_kv_cache_manager.py",
+              "        total = num_local_computed_tokens + num_external_computed_tokens\n"
+              "        num_skipped = self.get_num_skipped_tokens(total) // self.block_size\n",
+              "        total = num_local_computed_tokens + num_external_computed_tokens\n"
+              "        num_skipped = self.get_num_skipped_tokens(num_local_computed_tokens)"
+              " // self.block_size\n"),
+    SeededBug("delay-cache-ignored",
+              "blocks of an asynchronous KV load are cached at allocation, before the "
+              "load lands (delay_cache_blocks ignored)",
+              "kvref/core/kv_cache_manager.py",
+              "        if self.enable_caching and not delay_cache_blocks:\n",
+              "        if self.enable_caching:\n"),
+    SeededBug("reserved-blocks-ignored",
+              "allocate_slots ignores the blocks reserved for in-flight KV loads",
+              "kvref/core/kv_cache_manager.py",
+              "        available = self.block_pool.get_num_free_blocks() - reserved_blocks\n",
+              "        available = self.block_pool.get_num_free_blocks()\n"),
+    SeededBug("full-sequence-no-watermark",
+              "full_sequence_must_fit forgets the watermark",
+              "kvref/core/kv_cache_manager.py",
+              "            if needed + watermark_blocks > self.block_pool.get_num_free_blocks():\n",
+              "            if needed > self.block_pool.get_num_free_blocks():\n"),
+    SeededBug("free-clears-new-block-ids",
+              "freeing a request (a preemption in mid-step) drops the fresh block ids "
+              "of every request allocated earlier in the step, so they are not zeroed",
+              "kvref/core/single_type_kv_cache_manager.py",
+              "        self.num_cached_block.pop(request_id, None)\n"
+              "        return self.req_to_blocks.pop(request_id, [])\n",
+              "        self.num_cached_block.pop(request_id, None)\n"
+              "        self.new_block_ids = []\n"
+              "        return self.req_to_blocks.pop(request_id, [])\n"),
+    SeededBug("lora-first-block-only",
+              "the LoRA name is hashed into the first block only (like the salt)",
+              "kvref/core/kv_cache_utils.py",
+              "    if request.lora_request:\n"
+              "        keys.append(request.lora_request.lora_name)\n",
+              "    if request.lora_request and start_token_idx == 0:\n"
+              "        keys.append(request.lora_request.lora_name)\n"),
+    SeededBug("salt-every-block",
+              "the cache salt is hashed into every block, not only the first",
+              "kvref/core/kv_cache_utils.py",
+              "    if start_token_idx == 0 and request.cache_salt:\n",
+              "    if request.cache_salt:\n"),
+    SeededBug("mm-offset-absolute",
+              "a multimodal item's key carries its prompt offset, not its offset in the block",
+              "kvref/core/kv_cache_utils.py",
+              "keys.append((feature.identifier, offset - start))",
+              "keys.append((feature.identifier, offset))"),
+    SeededBug("mm-item-keyed-once",
+              "an image spanning several blocks is hashed into the first of them only",
+              "kvref/core/kv_cache_utils.py",
+              "        if end >= offset + length:\n"
+              "            mm_idx += 1  # the item ends here; the next one may start in this block\n"
+              "        else:\n"
+              "            break  # the item runs into the next block\n",
+              "        mm_idx += 1\n"),
+    SeededBug("mm-not-hashed",
+              "multimodal items are left out of the block hash",
+              "kvref/core/kv_cache_utils.py",
+              "    keys.extend(mm_keys)\n",
+              ""),
 ]
 
 INVARIANT_ID = re.compile(r"\bINV-[A-Z]+-\d+\b")
@@ -199,9 +322,10 @@ INVARIANT_ID = re.compile(r"\bINV-[A-Z]+-\d+\b")
 @dataclass
 class Outcome:
     bug: SeededBug
-    killed: bool
+    killed: bool            # by tests/stateful alone
     caught_by: str
     seconds: float
+    others: bool | None = None   # unit/conformance tests also fail (None: not run)
 
 
 def check_applicable(bug: SeededBug, root: Path) -> str:
@@ -219,36 +343,46 @@ def apply(bug: SeededBug, root: Path) -> None:
     (root / bug.path).write_text(text.replace(bug.old, bug.new))
 
 
-def _copy_project(dest: Path) -> None:
-    ignore = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".hypothesis",
-                                    "*.egg-info", "traces")
-    shutil.copytree(ROOT, dest, ignore=ignore)
+def _copy_project(dest: Path, with_traces: bool = False) -> None:
+    skip = [".git", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info"]
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        *skip, *([] if with_traces else ["traces"])))
 
 
-def run_one(bug: SeededBug, pytest_args: list[str]) -> Outcome:
+def run_one(bug: SeededBug, pytest_args: list[str], also_other_suites: bool = False
+            ) -> Outcome:
     start = time.monotonic()
+    others = None
     with tempfile.TemporaryDirectory(prefix=f"kvref-{bug.bug_id}-") as tmp:
         copy = Path(tmp) / "kvref"
-        _copy_project(copy)
+        _copy_project(copy, with_traces=also_other_suites)
         apply(bug, copy)
         env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "tests/stateful", "-x", "-q",
              "-p", "no:cacheprovider", *pytest_args],
             cwd=copy, env=env, capture_output=True, text=True)
+        if also_other_suites:
+            rest = subprocess.run(
+                [sys.executable, "-m", "pytest", "tests", "--ignore=tests/stateful", "-x",
+                 "-q", "-p", "no:cacheprovider"],
+                cwd=copy, env=env, capture_output=True, text=True)
+            others = rest.returncode != 0
     output = proc.stdout + proc.stderr
     killed = proc.returncode != 0
     # The failing assertion's own line ("E   AssertionError: INV-QUEUE-2: ...")
     # names the invariant; other ids in the output come from printed source.
-    error_lines = [line for line in output.splitlines() if line.startswith("E ")]
+    # Several distinct failures come as an exception group, each line behind "| ".
+    error_lines = [line for line in output.splitlines()
+                   if line.startswith("E ") or line.lstrip(" |").startswith("AssertionError")]
     ids = INVARIANT_ID.findall("\n".join(error_lines))
     if ids:
         caught_by = ids[0]
     elif killed:
-        caught_by = error_lines[0][1:].strip()[:70] if error_lines else "test failure"
+        caught_by = error_lines[0].lstrip(" |E").strip()[:70] if error_lines else "test failure"
     else:
         caught_by = "-"
-    return Outcome(bug, killed, caught_by, time.monotonic() - start)
+    return Outcome(bug, killed, caught_by, time.monotonic() - start, others)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", dest="select", default="", help="only bug ids containing this")
     parser.add_argument("--list", action="store_true", help="print the catalogue and stop")
     parser.add_argument("-j", "--jobs", type=int, default=2, help="bugs run in parallel")
+    parser.add_argument("--also-other-suites", action="store_true",
+                        help="also run the unit and conformance tests on each bug "
+                             "and report whether they catch it too")
     parser.add_argument("pytest_args", nargs="*",
                         help="extra pytest arguments, e.g. --hypothesis-profile=deep")
     args = parser.parse_args(argv)
@@ -277,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     with Progress(console=console) as progress, ThreadPoolExecutor(args.jobs) as pool:
         task = progress.add_task("running the stateful suite on each bug", total=len(bugs))
-        futures = [pool.submit(run_one, bug, args.pytest_args) for bug in bugs]
+        futures = [pool.submit(run_one, bug, args.pytest_args, args.also_other_suites)
+                   for bug in bugs]
         for future in futures:
             outcome = future.result()
             outcomes.append(outcome)
@@ -287,16 +425,27 @@ def main(argv: list[str] | None = None) -> int:
             progress.advance(task)
 
     table = Table(title="Seeded bugs against tests/stateful")
-    for column in ("bug", "what it breaks", "result", "caught by", "time"):
+    columns = ["bug", "what it breaks", "stateful suite alone", "caught by"]
+    if args.also_other_suites:
+        columns.append("unit/conformance too")
+    for column in (*columns, "time"):
         table.add_column(column)
     for o in outcomes:
-        table.add_row(o.bug.bug_id, o.bug.description,
-                      "[green]killed[/green]" if o.killed else "[red]SURVIVED[/red]",
-                      o.caught_by, f"{o.seconds:.0f}s")
+        row = [o.bug.bug_id, o.bug.description,
+               "[green]killed[/green]" if o.killed else "[red]SURVIVED[/red]", o.caught_by]
+        if args.also_other_suites:
+            row.append("yes" if o.others else "no")
+        table.add_row(*row, f"{o.seconds:.0f}s")
     console.print(table)
     survived = [o.bug.bug_id for o in outcomes if not o.killed]
-    console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed"
+    console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed "
+                  "by the stateful suite alone (tests/stateful, no unit test or trace)"
                   + (f"; survived: {', '.join(survived)}" if survived else ""))
+    if args.also_other_suites:
+        only = [o.bug.bug_id for o in outcomes if o.killed and not o.others]
+        console.print(f"{len(only)} of them caught by the state machines only "
+                      "(unit and conformance tests pass)"
+                      + (f": {', '.join(only)}" if only else ""))
     return 1 if survived else 0
 
 
