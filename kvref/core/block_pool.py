@@ -26,7 +26,6 @@ It is never in the free queue, never cached, never freed; like vLLM, its
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from kvref.core.kv_cache_utils import (
@@ -242,16 +241,20 @@ class BlockPool:
         longest. ``ValueError`` (before any change) if a block would drop below 0.
         """
         blocks = list(ordered_blocks)
-        over_freed = [b.block_id for b, n in Counter(blocks).items()
-                      if not b.is_null and n > b.ref_cnt]
-        if over_freed:
-            raise ValueError(f"free_blocks: blocks {sorted(over_freed)} are freed more "
-                             "times than they are referenced")
-        uncached, cached = [], []
+        uncached, cached, over_freed = [], [], []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
                 (uncached if block.block_hash is None else cached).append(block)
+            elif block.ref_cnt < 0 and not block.is_null:
+                over_freed.append(block.block_id)
+        # Over-freeing is found in the same pass and undone: counting each
+        # block's copies up front (a Counter) cost more than the free itself.
+        if over_freed:
+            for block in blocks:
+                block.ref_cnt += 1
+            raise ValueError(f"free_blocks: blocks {sorted(set(over_freed))} are freed "
+                             "more times than they are referenced")
         self.free_block_queue.prepend_n(uncached)
         self.free_block_queue.append_n(cached)
 
