@@ -171,6 +171,8 @@ class FreeKVCacheBlockQueue:
         self._insert_after(self.fake_free_list_head, blocks)
 
     def _insert_after(self, anchor: KVCacheBlock, blocks: Sequence[KVCacheBlock]) -> None:
+        if not blocks:
+            return  # the common case: one of free_blocks' two lists is usually empty
         # Check every block before linking any: a failure leaves the queue intact.
         for block in blocks:
             if block.prev_free_block is not None or block.next_free_block is not None:
