@@ -28,20 +28,35 @@ from typing import Callable
 from kvref.verify.trace_replay import load_trace  # noqa: F401  (re-exported for callers)
 
 
-def compile_calls(ops: list[dict], built) -> list[Callable[[], object]]:
-    """One closure per op, each making the op's API call on ``built.manager``."""
+def compile_calls(ops: list[dict], built,
+                  prebuild_requests: bool = False) -> list[Callable[[], object]]:
+    """One closure per op, each making the op's API call on ``built.manager``.
+
+    ``prebuild_requests``: construct every ``Request`` now, so ``add_request``
+    times only storing it (the manager's calls alone; a request's construction
+    does not depend on the manager's state, so the calls see the same objects).
+    """
     m, status = built.manager, built.status
     requests: dict = {}   # request id -> Request, filled as add_request runs
     last_hit: dict = {}   # request id -> KVCacheBlocks of its last get_computed_blocks
     handles: dict = {}    # pop_blocks_for_free handle -> blocks
-    return [_compile(op, m, status, built.request_factory, requests, last_hit, handles)
+    if prebuild_requests:
+        built.pin_none_hash()
+    return [_compile(op, m, status, built.request_factory, requests, last_hit, handles,
+                     prebuild_requests)
             for op in ops]
 
 
-def _compile(op, m, status, request_factory, requests, last_hit, handles):
+def _compile(op, m, status, request_factory, requests, last_hit, handles, prebuild=False):
     name, rid = op["op"], op.get("req")
     if name == "add_request":
         make = request_factory(op)
+        if prebuild:
+            made = make()
+
+            def call():
+                requests[rid] = made
+            return call
 
         def call():
             requests[rid] = make()
@@ -154,12 +169,13 @@ def run_calls(calls: list[Callable[[], object]]) -> int:
     return raised
 
 
-def time_trace(side, trace: dict) -> tuple[float, float, int, int]:
+def time_trace(side, trace: dict, prebuild_requests: bool = False
+               ) -> tuple[float, float, int, int]:
     """``(wall seconds, process CPU seconds, ops, ops that raised)`` of one
     replay of ``trace``. Building the manager and compiling the calls are not timed.
     """
     built = side.from_header(trace["header"])
-    calls = compile_calls(trace["ops"], built)
+    calls = compile_calls(trace["ops"], built, prebuild_requests)
     built.pin_none_hash()   # the hash chain's seed is a module global on both sides
     gc.collect()            # start every replay from the same collector state
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -168,13 +184,14 @@ def time_trace(side, trace: dict) -> tuple[float, float, int, int]:
     return wall1 - wall0, cpu1 - cpu0, len(calls), raised
 
 
-def time_traces(side, traces: list[dict], passes: int = 1) -> tuple[float, float, int, int]:
+def time_traces(side, traces: list[dict], passes: int = 1, prebuild_requests: bool = False
+                ) -> tuple[float, float, int, int]:
     """Sums of ``time_trace`` over ``passes`` replays of every trace (fresh
     managers each time)."""
     totals = [0.0, 0.0, 0, 0]
     for _ in range(passes):
         for trace in traces:
-            totals = [a + b for a, b in zip(totals, time_trace(side, trace))]
+            totals = [a + b for a, b in zip(totals, time_trace(side, trace, prebuild_requests))]
     return tuple(totals)
 
 

@@ -116,65 +116,62 @@ def spread(values: list[float]) -> dict:
 # -- traces ------------------------------------------------------------------------
 
 
+TRACE_MODES = {
+    "calls": "every recorded call timed, Request(...) construction included",
+    "prebuilt": "requests built before the clock starts: the manager's calls alone",
+}
+
+
 def run_traces(workers: dict[str, Worker], classes: list[str], repeats: int,
-               passes: int) -> dict:
-    samples = {cls: {side: {"wall": [], "cpu": []} for side in workers} for cls in classes}
+               passes: int, modes: list[str]) -> dict:
+    samples = {(mode, cls): {side: {"wall": [], "cpu": []} for side in workers}
+               for mode in modes for cls in classes}
     ops = {}
     for r in range(repeats):
         for cls in classes:
-            for side, worker in workers.items():       # kvref, vLLM, kvref, vLLM, ...
-                answer = worker.ask(cmd="traces", cls=cls, passes=passes)
-                samples[cls][side]["wall"].append(answer["wall"] / passes)
-                samples[cls][side]["cpu"].append(answer["cpu"] / passes)
-                ops[cls] = answer["ops"] // passes
-            print(f"  repeat {r + 1}/{repeats} {cls:26s} " + "  ".join(
-                f"{side} {samples[cls][side]['wall'][-1] * 1e3:7.2f} ms"
-                for side in workers), flush=True)
+            for mode in modes:
+                for side, worker in workers.items():       # kvref, vLLM, kvref, vLLM, ...
+                    answer = worker.ask(cmd="traces", cls=cls, passes=passes,
+                                        prebuild=mode == "prebuilt")
+                    samples[mode, cls][side]["wall"].append(answer["wall"] / passes)
+                    samples[mode, cls][side]["cpu"].append(answer["cpu"] / passes)
+                    ops[cls] = answer["ops"] // passes
+                print(f"  repeat {r + 1}/{repeats} {cls:24s} {mode:8s} " + "  ".join(
+                    f"{side} {samples[mode, cls][side]['cpu'][-1] * 1e3:6.2f} ms CPU"
+                    for side in workers), flush=True)
     result = {}
-    for cls in classes:
-        entry = {"ops": ops[cls]}
-        for side in workers:
-            entry[side] = {kind: spread(samples[cls][side][kind]) for kind in ("wall", "cpu")}
-        if "vllm" in workers:
-            entry["ratio"] = {kind: entry["kvref"][kind]["median"] / entry["vllm"][kind]["median"]
-                              for kind in ("wall", "cpu")}
-        result[cls] = entry
+    for mode in modes:
+        result[mode] = {}
+        for cls in classes:
+            entry = {"ops": ops[cls]}
+            for side in workers:
+                entry[side] = {kind: spread(samples[mode, cls][side][kind])
+                               for kind in ("wall", "cpu")}
+            if "vllm" in workers:
+                entry["ratio"] = {kind: entry["kvref"][kind]["median"]
+                                  / entry["vllm"][kind]["median"] for kind in ("wall", "cpu")}
+            result[mode][cls] = entry
     return result
 
 
 def traces_table(result: dict, with_vllm: bool) -> str:
-    head = "| class | ops | kvref ms (min / median / max) |"
-    rule = "|---|---:|---:|"
+    """One row per class: min / median / max per side, wall and CPU, and the ratios."""
+    head = "| class | ops | kvref wall ms | kvref CPU ms |"
+    rule = "|---|---:|---:|---:|"
     if with_vllm:
-        head += " vLLM ms (min / median / max) | ratio wall | ratio CPU |"
-        rule += "---:|---:|---:|"
+        head += " vLLM wall ms | vLLM CPU ms | ratio wall | ratio CPU |"
+        rule += "---:|---:|---:|---:|"
     lines = [head, rule]
 
     def cell(s):
         return f"{s['min'] * 1e3:.2f} / **{s['median'] * 1e3:.2f}** / {s['max'] * 1e3:.2f}"
 
     for cls, entry in result.items():
-        row = f"| {cls} | {entry['ops']} | {cell(entry['kvref']['wall'])} |"
+        row = f"| {cls} | {entry['ops']} | {cell(entry['kvref']['wall'])} | " \
+              f"{cell(entry['kvref']['cpu'])} |"
         if with_vllm:
-            row += (f" {cell(entry['vllm']['wall'])} | {entry['ratio']['wall']:.2f} |"
-                    f" {entry['ratio']['cpu']:.2f} |")
-        lines.append(row)
-    return "\n".join(lines)
-
-
-def ops_table(cls: str, by_side: dict) -> str:
-    """Per op name: calls, µs per call per side, and the share of the class's kvref time."""
-    kvref = by_side["kvref"]
-    total = sum(t for _, t in kvref.values())
-    lines = [f"{cls}: kvref {total * 1e3:.1f} ms"
-             + "".join(f", {s} {sum(t for _, t in d.values()) * 1e3:.1f} ms"
-                       for s, d in by_side.items() if s != "kvref")]
-    for op, (n, t) in sorted(kvref.items(), key=lambda kv: -kv[1][1]):
-        row = f"  {op:34s} {n:6d} calls  {kvref[op][1] / n * 1e6:7.2f} µs ({t / total:4.0%})"
-        for side, data in by_side.items():
-            if side != "kvref" and op in data:
-                row += f"  {side} {data[op][1] / data[op][0] * 1e6:7.2f} µs" \
-                       f"  ratio {t / data[op][1]:.2f}"
+            row += (f" {cell(entry['vllm']['wall'])} | {cell(entry['vllm']['cpu'])} |"
+                    f" {entry['ratio']['wall']:.2f} | {entry['ratio']['cpu']:.2f} |")
         lines.append(row)
     return "\n".join(lines)
 
@@ -265,10 +262,10 @@ def plot(result: dict, sizes: list[int], traces: dict | None, path: Path) -> Non
     if panels == 3:
         ax = axes[2]
         classes = list(traces)
-        ratios = [traces[c]["ratio"]["wall"] for c in classes]
+        ratios = [traces[c]["ratio"]["cpu"] for c in classes]
         ax.barh(classes, ratios, color=["tab:green" if r <= 1.0 else "tab:red" for r in ratios])
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.set(xlabel="kvref / vLLM median wall time", title="Recorded traces, per class")
+        ax.set(xlabel="kvref / vLLM, median time (CPU)", title="Recorded traces, per class")
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -289,6 +286,8 @@ def main(argv=None) -> int:
     parser.add_argument("--passes", type=int, default=5,
                         help="replays of a class's traces per run (traces section)")
     parser.add_argument("--classes", default="", help="comma-separated trace classes")
+    parser.add_argument("--modes", default="calls,prebuilt",
+                        help=f"trace modes: {', '.join(TRACE_MODES)}")
     parser.add_argument("--sizes", default=",".join(map(str, POOL_SIZES)),
                         help="pool sizes for the scaling section")
     parser.add_argument("--requests", type=int, default=4000,
@@ -314,13 +313,17 @@ def main(argv=None) -> int:
         if "traces" in sections:
             classes = ([c for c in args.classes.split(",") if c] or
                        sorted(p.name for p in TRACES.iterdir() if p.is_dir()))
+            modes = [m for m in args.modes.split(",") if m]
             print(f"\n== traces: {len(classes)} classes, {args.repeats} alternated runs of "
-                  f"{args.passes} passes")
-            results["traces"] = run_traces(workers, classes, args.repeats, args.passes)
-            table = traces_table(results["traces"], "vllm" in workers)
-            print(table)
-            markdown += ["", "### Recorded traces (time per pass over a class's traces)", "",
-                         table]
+                  f"{args.passes} passes, modes {modes}")
+            results["traces"] = run_traces(workers, classes, args.repeats, args.passes, modes)
+            for mode in modes:
+                table = traces_table(results["traces"][mode], "vllm" in workers)
+                title = (f"Recorded traces, mode `{mode}` ({TRACE_MODES[mode]}); ms per pass "
+                         "over a class's 20 traces, min / **median** / max; ratio = kvref "
+                         "median / vLLM median")
+                print(f"\n{title}\n{table}")
+                markdown += ["", f"### {title}", "", table]
         if "ops" in sections:
             classes = ([c for c in args.classes.split(",") if c] or
                        sorted(p.name for p in TRACES.iterdir() if p.is_dir()))
@@ -335,7 +338,8 @@ def main(argv=None) -> int:
             table = scaling_table(results["scaling"], sizes)
             print(table)
             markdown += ["", "### Per-call cost vs pool size (median of runs)", "", table]
-            plot(results["scaling"], sizes, results.get("traces"), args.plot)
+            plot(results["scaling"], sizes, (results.get("traces") or {}).get("calls"),
+                 args.plot)
             print(f"plot: {args.plot}")
     finally:
         for worker in workers.values():
