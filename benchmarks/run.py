@@ -227,46 +227,57 @@ def scaling_table(result: dict, sizes: list[int]) -> str:
                 for c in calls)
                 + f" | {e['build_wall_s'] * 1e3:.1f} | {e['bytes_per_block']:.0f} |")
     for side in sides:
-        growth = ", ".join(
-            f"{c} {result[side][sizes[-1]]['per_call'][c]['wall_ns'] / result[side][sizes[0]]['per_call'][c]['wall_ns']:.2f}x"
-            for c in calls)
-        lines.append(f"\n{side}: per-call cost at {sizes[-1]:,d} vs {sizes[0]:,d} blocks: {growth}")
+        first, last = result[side][sizes[0]]["per_call"], result[side][sizes[-1]]["per_call"]
+        growth = ", ".join(f"{c} {last[c]['wall_ns'] / first[c]['wall_ns']:.2f}x wall / "
+                           f"{last[c]['cpu_ns'] / first[c]['cpu_ns']:.2f}x CPU" for c in calls)
+        lines.append(f"\n{side}: per-call cost at {sizes[-1]:,d} vs {sizes[0]:,d} blocks: "
+                     f"{growth}")
     return "\n".join(lines)
 
 
 def plot(result: dict, sizes: list[int], traces: dict | None, path: Path) -> None:
+    """Per-call cost and pool build time against pool size (CPU time: wall time
+    measures the other processes too); with vLLM, the per-class ratios as well."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 3 if traces and any("ratio" in e for e in traces.values()) else 2
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
+    with_ratios = bool(traces) and all("ratio" in e for m in traces.values() for e in m.values())
+    panels = 3 if with_ratios else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8))
     styles = {"kvref": "-", "vllm": "--"}
     markers = {"get_computed_blocks": "o", "allocate_slots": "s", "free": "^"}
     ax = axes[0]
     for side, by_size in result.items():
         for call, marker in markers.items():
-            ax.plot(sizes, [by_size[n]["per_call"][call]["wall_ns"] / 1e3 for n in sizes],
+            ax.plot(sizes, [by_size[n]["per_call"][call]["cpu_ns"] / 1e3 for n in sizes],
                     styles.get(side, ":"), marker=marker, label=f"{side} {call}")
-    ax.set(xscale="log", xlabel="pool size (blocks)", ylabel="µs per call",
+    ax.set(xscale="log", xlabel="pool size (blocks)", ylabel="µs per call (CPU)",
            title="Per-call cost vs pool size")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.45)   # room for the legend above the lines
+    ax.legend(fontsize=7, ncol=2, loc="upper center")
     ax = axes[1]
     for side, by_size in result.items():
-        ax.plot(sizes, [by_size[n]["build_wall_s"] for n in sizes], styles.get(side, ":"),
+        ax.plot(sizes, [by_size[n]["build_cpu_s"] for n in sizes], styles.get(side, ":"),
                 marker="o", label=f"{side} pool build")
-    ax.set(xscale="log", yscale="log", xlabel="pool size (blocks)", ylabel="seconds",
+    ax.set(xscale="log", yscale="log", xlabel="pool size (blocks)", ylabel="seconds (CPU)",
            title="Pool build time")
     ax.legend(fontsize=7)
-    if panels == 3:
+    if with_ratios:
         ax = axes[2]
-        classes = list(traces)
-        ratios = [traces[c]["ratio"]["cpu"] for c in classes]
-        ax.barh(classes, ratios, color=["tab:green" if r <= 1.0 else "tab:red" for r in ratios])
+        classes = list(next(iter(traces.values())))
+        height = 0.8 / len(traces)
+        for i, (mode, by_class) in enumerate(traces.items()):
+            ratios = [by_class[c]["ratio"]["cpu"] for c in classes]
+            ax.barh([k + i * height for k in range(len(classes))], ratios, height=height,
+                    label=f"mode {mode}")
+        ax.set_yticks([k + height * (len(traces) - 1) / 2 for k in range(len(classes))],
+                      classes, fontsize=7)
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.set(xlabel="kvref / vLLM, median time (CPU)", title="Recorded traces, per class")
-        ax.tick_params(axis="y", labelsize=7)
+        ax.invert_yaxis()   # classes read top to bottom, as in the table
+        ax.set(xlabel="kvref / vLLM, median CPU time (< 1: kvref faster)",
+               title="Recorded traces, per model class")
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -338,8 +349,7 @@ def main(argv=None) -> int:
             table = scaling_table(results["scaling"], sizes)
             print(table)
             markdown += ["", "### Per-call cost vs pool size (median of runs)", "", table]
-            plot(results["scaling"], sizes, (results.get("traces") or {}).get("calls"),
-                 args.plot)
+            plot(results["scaling"], sizes, results.get("traces"), args.plot)
             print(f"plot: {args.plot}")
     finally:
         for worker in workers.values():
