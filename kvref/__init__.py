@@ -24,18 +24,24 @@ from kvref.kv_cache_interface import (
     KVCacheSpecKind,
     MambaSpec,
     SlidingWindowSpec,
+    get_dtype_size,
 )
 from kvref.core.kv_cache_utils import (
     BlockHashListWithBlockSize,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    estimate_max_model_len,
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
+    get_max_concurrency_for_kv_cache_config,
+    get_num_blocks,
     get_request_block_hasher,
+    get_uniform_page_size,
     hash_block_tokens,
     init_none_hash,
     make_block_hash_with_group_id,
+    max_memory_usage_bytes,
 )
 from kvref.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvref.request import (
@@ -82,4 +88,7 @@ __all__ = [
     "get_block_hash", "get_group_id", "get_kv_cache_coordinator",
     "get_manager_for_kv_cache_spec", "get_request_block_hasher", "hash_block_tokens",
     "init_none_hash", "make_block_hash_with_group_id", "sha256", "sha256_cbor",
+    # capacity arithmetic (vllm/v1/core/kv_cache_utils.py)
+    "estimate_max_model_len", "get_dtype_size", "get_max_concurrency_for_kv_cache_config",
+    "get_num_blocks", "get_uniform_page_size", "max_memory_usage_bytes",
 ]

@@ -1,120 +1,211 @@
 """The ``kvref`` command line.
 
-    kvref demo            walk through prefix caching on a small pool, step by step
-    kvref replay PATH...  replay recorded vLLM traces against kvref
+    kvref demo [--workload W] [--steps N] [--no-animate]   watch the cache work, narrated
+    kvref viz TRACE | --workload W [--export F.svg|F.html]  step through a trace
+    kvref record --workload W -o FILE                       write a kvtrace/1 trace
+    kvref explain TRACE --op N                              why op N did what it did
+    kvref replay PATH...                                    replay traces, compare with vLLM's
+
+Workloads: the walk-throughs ``prefix-caching`` (the default demo) and
+``sliding-window``, and the scheduler presets ``chat``, ``multi-turn``, ``rag``,
+``agent``, ``hybrid``, ``pressure`` (``kvref.viz.workloads``). Bad input (a
+missing or malformed trace, an unknown workload, an op number out of range)
+gives one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 
 from rich.console import Console
+from rich.live import Live
 from rich.progress import Progress
 from rich.rule import Rule
 
-from kvref import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheManager,
-    Request,
-    RequestStatus,
-    get_request_block_hasher,
-    init_none_hash,
-    sha256,
-)
-from kvref.viz import render_pool
-
-BLOCK_SIZE = 4
+EXIT_BAD_INPUT = 2
 
 
-def _demo_steps(manager: KVCacheManager, hasher):
-    """The scenario as (narration, action) pairs; each action runs one scheduler move."""
-    system_prompt = [101, 102, 103, 104, 105, 106, 107, 108]   # 2 blocks
-    reqs = {}
-
-    def arrive(name, tokens):
-        req = Request(name, tokens, block_hasher=hasher)
-        reqs[name] = req
-        hit, num_hit = manager.get_computed_blocks(req)
-        new = manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit)
-        if new is None:
-            return f"prefix hit: {num_hit} tokens; no room: allocate_slots returned None"
-        req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = req.num_tokens
-        return (f"prefix hit: {num_hit} tokens {hit.get_block_ids()[0]}; "
-                f"new blocks {new.get_block_ids()[0]}")
-
-    def decode(name, token):
-        req = reqs[name]
-        req.append_output_token_ids(token)
-        new = manager.allocate_slots(req, 1)
-        req.num_computed_tokens += 1
-        return f"new blocks {new.get_block_ids()[0]}" if new.get_block_ids()[0] else \
-            "fits in the last block"
-
-    def finish(name):
-        manager.free(reqs[name])
-        return "blocks freed tail first: cached ones go to the back of the queue"
-
-    yield ("Request A arrives: a 2-block system prompt and 3 tokens of its own. Nothing "
-           "is cached yet; it gets 3 blocks and its 2 full blocks are cached.",
-           lambda: arrive("A", system_prompt + [1, 2, 3]))
-    yield ("A decodes one token: it completes block 3, which gets cached too.",
-           lambda: decode("A", 4))
-    yield ("Request B arrives with the same system prompt: the 2 cached blocks are a "
-           "prefix hit, shared (ref count 2).",
-           lambda: arrive("B", system_prompt + [9, 9, 9, 9, 9]))
-    yield ("A finishes. Its private blocks become free but stay cached (○); the shared "
-           "prefix is still held by B.", lambda: finish("A"))
-    yield ("Request C repeats A's whole conversation: it hits 3 blocks. The hit stops "
-           "one token short of the prompt: the last token is always recomputed.",
-           lambda: arrive("C", system_prompt + [1, 2, 3, 4, 5]))
-    yield ("B finishes. Its unfinished last block has no hash: nobody can hit it, so it "
-           "goes to the FRONT of the free queue. Its cached block goes to the back.",
-           lambda: finish("B"))
-    yield ("Request D needs 7 blocks. They come from the head of the queue: B's "
-           "unhashed block first, and last of all the cached block 4, which is evicted.",
-           lambda: arrive("D", list(range(500, 528))))
-    yield ("Everyone finishes; reset_prefix_cache then forgets every cached prefix.",
-           lambda: (finish("C"), finish("D"),
-                    f"reset_prefix_cache() -> {manager.reset_prefix_cache()}")[-1])
+class UsageError(Exception):
+    """Bad input from the user: reported in one line, exit code 2."""
 
 
-def run_demo(console: Console, pause: float = 0.0) -> int:
-    init_none_hash(sha256)
-    config = KVCacheConfig(num_blocks=12, kv_cache_groups=[
-        KVCacheGroupSpec(["attn"], FullAttentionSpec(block_size=BLOCK_SIZE))])
-    manager = KVCacheManager(config, max_model_len=64, scheduler_block_size=BLOCK_SIZE,
-                             hash_block_size=BLOCK_SIZE, enable_caching=True)
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-    console.print(Rule("kvref demo: prefix caching on an 11-block pool, 4 tokens per block"))
-    console.print(render_pool(manager))
-    for n, (story, action) in enumerate(_demo_steps(manager, hasher), start=1):
-        console.print(Rule(f"step {n}"))
-        console.print(story)
-        console.print(f"[bold]->[/bold] {action()}")
-        console.print(render_pool(manager))
-        if pause:
-            time.sleep(pause)
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line instead of usage + error."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _workload_trace(name: str, steps: int | None, console: Console | None = None) -> dict:
+    from kvref.viz.workloads import record_workload, workload_names
+
+    if name not in workload_names():
+        raise UsageError(f"unknown workload {name!r}; choose from: "
+                         + ", ".join(workload_names()))
+    if steps is not None and steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {steps}")
+    if console is None or not console.is_terminal:
+        return record_workload(name, max_steps=steps)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"running {name}", total=steps)
+        return record_workload(name, max_steps=steps,
+                               on_step=lambda k: progress.update(task, completed=k + 1))
+
+
+def _read(path: str) -> dict:
+    from kvref.viz.player import TraceError, read_trace
+
+    try:
+        return read_trace(path)
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _player(trace: dict):
+    from kvref.viz.player import TraceError, TracePlayer
+
+    try:
+        return TracePlayer(trace)
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+
+
+# -- commands -------------------------------------------------------------------
+
+
+def cmd_demo(args, console: Console) -> int:
+    from kvref.viz.panels import render_frame, render_summary
+    from kvref.viz.player import summarize
+
+    if args.pause < 0:
+        raise UsageError(f"kvref demo: --pause must be >= 0, got {args.pause}")
+    trace = _workload_trace(args.workload, args.steps)
+    player = _player(trace)
+    console.print(Rule(f"kvref demo: {args.workload}"))
+    console.print(trace["generator"].get("description", ""), style="bold")
+    animate = not args.no_animate and console.is_terminal
+    if animate:
+        # A frame taller than the terminal is cut at the bottom while animating
+        # (the story and the grid come first); the last one is printed whole.
+        with Live(console=console, refresh_per_second=8, transient=True,
+                  vertical_overflow="ellipsis") as live:
+            for k in range(len(player.steps)):
+                player.seek_step(k)
+                live.update(render_frame(player, compact=True))
+                time.sleep(args.pause)
+        console.print(render_frame(player, compact=True))
+    else:
+        for k in range(len(player.steps)):
+            player.seek_step(k)
+            console.print(render_frame(player, compact=True))
+    console.print(render_summary(summarize(trace), title=f"summary of {args.workload}"))
     return 0
 
 
-def run_replay(console: Console, paths: list[str], compare_hashes: bool,
-               check_invariants: bool = False) -> int:
-    from kvref.verify.trace_replay import find_traces, replay_file
+def cmd_viz(args, console: Console) -> int:
+    from kvref.viz.interactive import run_interactive
+    from kvref.viz.panels import render_frame
 
-    files = list(find_traces(paths))
+    if (args.trace is None) == (args.workload is None):
+        raise UsageError("kvref viz: give a TRACE file or --workload W (one of them)")
+    if args.trace is not None and args.steps is not None:
+        raise UsageError("kvref viz: --steps applies to --workload only")
+    trace = _read(args.trace) if args.trace else _workload_trace(args.workload, args.steps)
+    player = _player(trace)
+    if not player.ops:
+        raise UsageError("kvref viz: the trace has no ops to show")
+    if args.export is None:
+        if args.step is not None or args.op is not None:
+            _seek(player, args)
+            console.print(render_frame(player))
+            return 0
+        return run_interactive(console, player)
+    if not args.export.endswith((".svg", ".html")):
+        raise UsageError(f"kvref viz: --export must end in .svg or .html, got {args.export!r}")
+    _seek(player, args, default_last=True)
+    recorder = Console(record=True, width=80, file=io.StringIO(), force_terminal=True)
+    recorder.print(render_frame(player))
+    title = f"kvref viz: {trace.get('name', 'trace')}"
+    try:
+        if args.export.endswith(".svg"):
+            recorder.save_svg(args.export, title=title)
+        else:
+            recorder.save_html(args.export)
+    except OSError as exc:
+        raise UsageError(f"kvref viz: cannot write {args.export}: {exc.strerror}") from None
+    console.print(f"wrote {args.export} (step {player.current_step}, op {player.position - 1})")
+    return 0
+
+
+def _seek(player, args, default_last: bool = False) -> None:
+    if args.step is not None and args.op is not None:
+        raise UsageError("kvref viz: give --step or --op, not both")
+    if args.op is not None:
+        if not 0 <= args.op < len(player.ops):
+            raise UsageError(f"kvref viz: no op {args.op}: ops are 0..{len(player.ops) - 1}")
+        player.seek_op(args.op)
+    elif args.step is not None:
+        if not 0 <= args.step < len(player.steps):
+            raise UsageError(f"kvref viz: no step {args.step}: steps are "
+                             f"0..{len(player.steps) - 1}")
+        player.seek_step(args.step)
+    elif default_last:
+        player.seek_step(len(player.steps) - 1)
+    else:
+        player.seek_step(0)
+
+
+def cmd_record(args, console: Console) -> int:
+    from kvref.verify.trace_record import write_trace
+    from kvref.viz.player import summarize
+
+    trace = _workload_trace(args.workload, args.steps, console)
+    try:
+        write_trace(trace, args.output)
+    except OSError as exc:
+        raise UsageError(f"kvref record: cannot write {args.output}: {exc.strerror}") from None
+    s = summarize(trace)
+    console.print(f"wrote {args.output}: {s.num_ops} ops, {s.num_steps} steps, "
+                  f"{s.num_requests} requests, hit rate {s.hit_rate:.0%}")
+    return 0
+
+
+def cmd_explain(args, console: Console) -> int:
+    from kvref.viz.explain import explain
+    from kvref.viz.player import TraceError
+
+    trace = _read(args.trace)
+    try:
+        lines = explain(trace, args.op)
+    except IndexError as exc:
+        raise UsageError(f"kvref explain: {exc}") from None
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+    for line in lines:
+        console.print(line, highlight=False)
+    return 0
+
+
+def cmd_replay(args, console: Console) -> int:
+    from kvref.verify.trace_replay import find_traces, replay
+    from kvref.viz.player import TraceError
+
+    files = list(find_traces(args.paths))
     if not files:
-        console.print(f"[red]no trace files under {paths}[/red]")
-        return 2
+        raise UsageError(f"kvref replay: no trace files under {' '.join(args.paths)}")
     divergent, ops = [], 0
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("replaying", total=len(files))
         for path in files:
-            result = replay_file(path, compare_hashes, check_invariants)
+            trace = _read(str(path))
+            try:
+                result = replay(trace, not args.no_hashes, args.check_invariants)
+            except (TraceError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise UsageError(f"{path}: malformed trace ({type(exc).__name__}: {exc})") \
+                    from None
             ops += result.num_ops
             if result.divergence is not None:
                 divergent.append((path, result.divergence))
@@ -125,23 +216,88 @@ def run_replay(console: Console, paths: list[str], compare_hashes: bool,
     return 1 if divergent else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvref", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="step through prefix caching on a small pool")
-    demo.add_argument("--pause", type=float, default=0.0, help="seconds between steps")
-    rep = sub.add_parser("replay", help="replay recorded vLLM traces against kvref")
+# -- parsing --------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvref.viz.workloads import workload_names
+
+    names = ", ".join(workload_names())
+    parser = _Parser(prog="kvref", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="watch the KV cache work, step by step, narrated",
+                          description="Run a workload and show every step (animated in a "
+                          "terminal), then a summary: hit rate, prompt tokens saved, "
+                          "evictions, preemptions.")
+    demo.add_argument("--workload", default="prefix-caching", metavar="W",
+                      help=f"what to run (default prefix-caching): {names}")
+    demo.add_argument("--steps", type=int, metavar="N", help="stop after N steps")
+    demo.add_argument("--no-animate", action="store_true",
+                      help="print every step instead of animating (automatic when not a "
+                      "terminal)")
+    demo.add_argument("--pause", type=float, default=1.0, metavar="S",
+                      help="seconds per step when animating (default 1.0)")
+    demo.set_defaults(run=cmd_demo)
+
+    viz = sub.add_parser("viz", help="step through a trace or a workload",
+                         description="Step through a kvtrace/1 trace (or a workload) "
+                         "interactively: n/p step, +/- op, j N step N, o N op N, q quit. "
+                         "With --export, write one frame as SVG or HTML instead.")
+    viz.add_argument("trace", nargs="?", help="a .json or .json.gz kvtrace/1 file")
+    viz.add_argument("--workload", metavar="W", help=f"run a workload instead: {names}")
+    viz.add_argument("--steps", type=int, metavar="N", help="with --workload: stop after N steps")
+    viz.add_argument("--export", metavar="FILE", help="write the frame to FILE.svg or FILE.html")
+    viz.add_argument("--step", type=int, metavar="N",
+                     help="the frame at the end of step N (default: the last with --export)")
+    viz.add_argument("--op", type=int, metavar="N", help="the frame right after op N")
+    viz.set_defaults(run=cmd_viz)
+
+    rec = sub.add_parser("record", help="write a workload as a kvtrace/1 trace",
+                         description="Run a workload and write every manager call with "
+                         "kvref's answer as its expect: a trace `kvref replay`, `kvref viz` "
+                         "and the shared conformance tools (on a real vLLM) can replay.")
+    rec.add_argument("--workload", required=True, metavar="W", help=f"one of: {names}")
+    rec.add_argument("-o", "--output", required=True, metavar="FILE",
+                     help="trace file to write (.json, or .json.gz compressed)")
+    rec.add_argument("--steps", type=int, metavar="N", help="stop after N steps")
+    rec.set_defaults(run=cmd_record)
+
+    exp = sub.add_parser("explain", help="why an op of a trace did what it did",
+                         description="Explain in words which gate refused an allocation, "
+                         "why a prefix hit stopped where it did, which blocks an allocation "
+                         "evicted, where freed blocks went.")
+    exp.add_argument("trace", help="a .json or .json.gz kvtrace/1 file")
+    exp.add_argument("--op", type=int, required=True, metavar="N",
+                     help="op index (0-based, as `kvref replay` and `kvtrace check` print)")
+    exp.set_defaults(run=cmd_explain)
+
+    rep = sub.add_parser("replay", help="replay recorded traces against kvref",
+                         description="Replay kvtrace/1 traces and compare every answer "
+                         "with the recorded one; exit 1 if any trace diverges.")
     rep.add_argument("paths", nargs="+", help="trace files or folders")
     rep.add_argument("--no-hashes", action="store_true",
                      help="do not compare hash values (their count still is)")
     rep.add_argument("--check-invariants", action="store_true",
                      help="also assert the invariants of specs/ after every op")
-    args = parser.parse_args(argv)
+    rep.set_defaults(run=cmd_replay)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvref.viz.player import TraceError
+
     console = Console()
-    if args.command == "demo":
-        return run_demo(console, args.pause)
-    return run_replay(console, args.paths, not args.no_hashes, args.check_invariants)
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args, console)
+    except (UsageError, TraceError) as exc:
+        # A trace found malformed midway (viz stepping into a bad op) is bad input too.
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from kvref import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    MambaSpec,
     Request,
     SlidingWindowSpec,
     get_request_block_hasher,
@@ -38,6 +39,7 @@ from kvref.verify.invariants import (
     check,
     check_block_pool,
     check_kv_cache_manager,
+    check_prefix_hit,
 )
 
 BLOCK = 4
@@ -453,3 +455,72 @@ def test_filling_the_pool_and_refusing_keeps_every_invariant():
     for request in requests:
         manager.free(request)
         check(manager)
+
+
+# -- one prefix hit: check_prefix_hit (INV-HIT-1, INV-HIT-2) ----------------------
+
+def test_prefix_hit_healthy_answers_pass():
+    manager, requests = healthy_manager()
+    again = make_request("again", list(range(10)))
+    hit, num_hit = manager.get_computed_blocks(again)
+    assert num_hit == 8
+    check_prefix_hit(manager, again, hit, num_hit)
+    hybrid = hybrid_manager()
+    again = make_request("again", list(range(10)))
+    hit, num_hit = hybrid.get_computed_blocks(again)
+    check_prefix_hit(hybrid, again, hit, num_hit)
+
+
+def test_prefix_hit_1_the_whole_prompt_may_not_hit():
+    manager, _ = healthy_manager()
+    exact = make_request("exact", list(range(8)))
+    hit, num_hit = manager.get_computed_blocks(exact)
+    assert num_hit == 4                      # the cap: block 1 is recomputed whole
+    longer = manager.create_kv_cache_blocks(
+        ([manager.block_pool.blocks[1], manager.block_pool.blocks[2]],))
+    with pytest.raises(InvariantViolation) as info:
+        check_prefix_hit(manager, exact, longer, 8)
+    assert info.value.invariant == "INV-HIT-1" and "num_tokens - 1 = 7" in str(info.value)
+
+
+def test_prefix_hit_1_a_hit_is_whole_blocks():
+    manager, _ = healthy_manager()
+    req = make_request("r", list(range(10)))
+    hit, _ = manager.get_computed_blocks(req)
+    with pytest.raises(InvariantViolation) as info:
+        check_prefix_hit(manager, req, hit, 6)
+    assert info.value.invariant == "INV-HIT-1"
+
+
+def test_prefix_hit_2_a_group_list_shorter_than_the_hit_is_caught():
+    manager = hybrid_manager()
+    req = make_request("again", list(range(10)))
+    hit, num_hit = manager.get_computed_blocks(req)
+    assert num_hit == 8
+    short = manager.create_kv_cache_blocks((hit.blocks[0][:1], hit.blocks[1]))
+    with pytest.raises(InvariantViolation) as info:
+        check_prefix_hit(manager, req, short, num_hit)
+    assert info.value.invariant == "INV-HIT-2" and "group 0" in str(info.value)
+
+
+def test_prefix_hit_2_flags_vllm_0_25_1_eagle_with_mamba():
+    """The recorded vLLM defect (specs/coordinator.md, INV-HIT-2): EAGLE on a
+    full-attention + Mamba model; Mamba ignores the drop, the hit outruns the
+    full-attention blocks. kvref answers as vLLM does, and the check says so."""
+    init_none_hash(sha256)
+    groups = [KVCacheGroupSpec(["attn"], FullAttentionSpec(BLOCK)),
+              KVCacheGroupSpec(["mamba"], MambaSpec(BLOCK, mamba_cache_mode="all"))]
+    manager = KVCacheManager(KVCacheConfig(32, groups), max_model_len=256,
+                             scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+                             use_eagle=True)
+    a = make_request("a", list(range(10)))
+    manager.allocate_slots(a, 10, num_lookahead_tokens=2)
+    a.num_computed_tokens = 10
+    manager.free(a)
+    b = make_request("b", list(range(8)) + [50, 51])
+    manager.new_step_starts()
+    hit, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 8 and len(hit.blocks[0]) == 1       # vLLM 0.25.1's answer
+    with pytest.raises(InvariantViolation) as info:
+        check_prefix_hit(manager, b, hit, num_hit)
+    assert info.value.invariant == "INV-HIT-2" and "group 0's hit has 1 blocks" in str(info.value)

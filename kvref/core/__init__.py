@@ -6,7 +6,8 @@ One module per vLLM file, same names::
     kv_cache_coordinator.py          no-cache / unitary / hybrid coordinators
     single_type_kv_cache_manager.py  one manager per attention type, Mamba included
     block_pool.py                    BlockPool, BlockHashToBlockMap
-    kv_cache_utils.py                KVCacheBlock, the free queue, block hashing
+    kv_cache_utils.py                KVCacheBlock, the free queue, block hashing,
+                                     capacity (blocks per request, max concurrency)
 
 Imports only go down this list (and to the vocabulary modules one level up:
 ``kv_cache_interface``, ``request``, ``kv_events``, ``stats``, ``hashing``), so

@@ -4,7 +4,10 @@ Mirrors ``vllm/v1/core/block_pool.py``. The pool knows blocks, not requests:
 
 - ``get_new_blocks(n)`` pops ``n`` blocks from the head of the free queue. A
   popped block that was still cached loses its hash here (a ``BlockRemoved``
-  event): this is the only place eviction happens.
+  event): this is the LRU eviction, the only one that makes room. Two other
+  calls drop hashes without reusing any block: ``evict_blocks`` (a KV
+  connector reports those blocks' content bad) and ``reset_prefix_cache``
+  (forget everything, e.g. after new weights).
 - ``touch(blocks)`` takes a reference on prefix-hit blocks; a hit block that
   sat in the free queue leaves it.
 - ``free_blocks(blocks)`` drops a reference; blocks reaching 0 go back to the

@@ -93,7 +93,8 @@ class KVCacheManager:
         max_num_batched_tokens: tokens per step; sizes the admission cap of
             sliding-window and chunked-local groups (``max_model_len`` if None).
         enable_caching: prefix caching on/off.
-        use_eagle: EAGLE/MTP speculative decoding (hits drop their last block).
+        use_eagle: EAGLE/MTP speculative decoding (hits drop their last block,
+            whose hidden states the draft head needs and the cache does not keep).
         log_stats: keep ``PrefixCacheStats``.
         enable_kv_cache_events: queue cache events for ``take_events``.
         watermark: fraction of the pool kept free when admitting waiting or
@@ -155,9 +156,19 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a new request: ``(blocks, num_tokens)``.
 
-        At most ``request.num_tokens - 1`` tokens: the last token is always
-        recomputed, since its logits are needed to sample. Empty when caching is
-        off or the request skips reading the cache.
+        At most ``request.num_tokens - 1`` tokens: the model must run on at
+        least the last token, because sampling needs its logits. Hits are whole
+        blocks, so when the prompt is an exact multiple of the block size the
+        cap costs a whole block, not one token: 16 tokens of block size 4, all
+        cached, hit 12 and recompute tokens 12..15. (vLLM keeps hits
+        block-aligned because ``allocate_slots`` expects
+        ``num_computed_tokens`` on a block boundary.) A prompt that ends in a
+        partial block loses nothing to the cap: 13 tokens hit at most 12
+        anyway, since the partial block has no hash.
+
+        Empty when caching is off or the request skips reading the cache
+        (vLLM sets that for prompt logprobs and all-token pooling, which need
+        every prompt token computed).
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
@@ -178,28 +189,48 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens; return the new blocks,
         or None (and allocate nothing) when the pool cannot hold them.
 
-        The request's tokens, left to right::
+        The request's tokens, left to right (the same brackets as vLLM's
+        drawing)::
 
-            | comp | new_comp | ext_comp | new | lookahead |
-                                         |<- computed now ->|
-                   |<------------ to allocate ------------>|
-            |<--- prefix: may be freed if outside a window --->|
+            | comp | new_comp | ext_comp |  new  | lookahead |
+                                         |<- computed now -->|
+                              |<-------- allocated --------->|
+                              |<---- cached ---->|  full blocks, verified tokens only
+            |<--------- prefix --------->|  blocks outside a window may be freed
+            |<-- in kvref --->|  ext_comp: a KV connector holds it
+            | held | touched  |  ref_cnt: comp's held already, new_comp's taken here
 
-        comp = ``request.num_computed_tokens``; new_comp = this step's prefix
-        hit (``new_computed_blocks``, touched here); ext_comp = tokens a KV
-        connector loads; new includes unverified draft tokens; lookahead =
-        slots for EAGLE drafts.
+        comp = ``request.num_computed_tokens``, blocks already in the table;
+        new_comp = ``num_new_computed_tokens``, this step's prefix hit
+        (``new_computed_blocks``: cached blocks that exist already, so they are
+        touched, not allocated); ext_comp = ``num_external_computed_tokens``,
+        tokens a KV connector will load into fresh blocks; new =
+        ``num_new_tokens``, including unverified draft tokens; lookahead =
+        ``num_lookahead_tokens``, slots where the EAGLE/draft model writes the
+        keys and values of the draft tokens it proposes this step (they are
+        allocated but never cached: nobody has verified them).
 
         Steps, in vLLM's order:
 
         1. ``ValueError`` if there is nothing to compute and nothing to load.
         2. ``full_sequence_must_fit``: None unless the whole request fits
-           (nothing freed yet).
+           (nothing freed yet). Sliding-window and chunked-local groups count
+           only their admission cap here (the most blocks a request holds at
+           once, since blocks left of the window are freed before each chunk):
+           the startup pool sizer uses the same cap, and counting every block
+           instead would refuse, forever, a long request the pool can in fact
+           serve, and the waiting queue behind it with it (a deadlock vLLM
+           fixed by making both use ``max_admission_blocks_per_request``).
         3. Free blocks left of the attention window (kept freed even if the
            call then returns None).
         4. None unless the blocks needed fit in the free blocks minus
-           ``reserved_blocks`` minus the watermark (the watermark applies only to
-           WAITING/PREEMPTED requests, and only when others are scheduled).
+           ``reserved_blocks`` minus the watermark. The watermark is headroom
+           for requests already running, so their next decode blocks do not
+           force a preemption; it therefore applies only to WAITING/PREEMPTED
+           requests (a running request asking for room is what the headroom is
+           for), and only when others are scheduled (a lone request has nobody
+           to protect, and refusing it could leave the engine idle forever).
+           ``reserved_blocks``: blocks promised to in-flight async KV loads.
         5. Take the hit blocks, allocate for external and new tokens, and cache
            the blocks that are now full (only up to ``request.num_tokens``: draft
            tokens may be rejected), unless ``delay_cache_blocks``.

@@ -20,16 +20,30 @@ Mirrors ``vllm/v1/core/kv_cache_utils.py`` (the parts the scheduler side uses).
   name, each multimodal item overlapping the block as
   ``(identifier, offset of the item relative to the block start)``, and the
   cache salt (first block only).
+- Capacity: how many blocks a memory budget buys (``get_num_blocks``), how
+  much one request needs at its peak (``max_memory_usage_bytes``), how many
+  requests of ``max_model_len`` fit (``get_max_concurrency_for_kv_cache_config``),
+  the longest sequence a budget serves (``estimate_max_model_len``)::
+
+      >>> from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+      >>> spec = FullAttentionSpec(16, num_kv_heads=8, head_size=128)  # 64 KiB a block
+      >>> get_num_blocks(num_layers=32, available_memory=8 * 2**30,
+      ...                page_size=spec.page_size_bytes)
+      4096
+      >>> config = KVCacheConfig(4096, [KVCacheGroupSpec([f"l{i}" for i in range(32)], spec)])
+      >>> get_max_concurrency_for_kv_cache_config(config, max_model_len=8192)
+      8.0
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvref.hashing import sha256, sha256_cbor
+from kvref.kv_cache_interface import KVCacheConfig, KVCacheSpec, cdiv
 
 # A block hash is the 32 bytes a hash function returns. In the pool's index it
 # is followed by 4 big-endian bytes of the KV cache group id, so that groups
@@ -339,10 +353,113 @@ class BlockHashListWithBlockSize(Sequence):
         return self.block_hashes[(idx + 1) * self.scale_factor - 1]
 
 
+# --------------------------------------------------------------------------
+# Capacity: bytes, blocks and requests
+#
+# vLLM's versions take the whole ``VllmConfig`` and read ``max_model_len``,
+# ``max_num_batched_tokens`` and ``max_num_encoder_input_tokens`` from it;
+# kvref takes those numbers as keyword arguments.
+
+
+def get_num_blocks(num_layers: int, available_memory: int, page_size: int,
+                   num_gpu_blocks_override: int | None = None) -> int:
+    """Blocks a KV cache budget buys: every layer keeps its own tensor with one
+    page per block, so ``available_memory // page_size // num_layers``.
+    ``num_gpu_blocks_override`` (vLLM's ``--num-gpu-blocks-override``) replaces
+    the answer. The null block is one of the blocks counted."""
+    if num_layers <= 0 or page_size <= 0:
+        raise ValueError(f"num_layers ({num_layers}) and page_size ({page_size}) "
+                         "must be positive")
+    if num_gpu_blocks_override is not None:
+        return num_gpu_blocks_override
+    return max(int(available_memory // page_size // num_layers), 0)
+
+
+def get_uniform_page_size(kv_cache_specs: Iterable[KVCacheSpec]) -> int:
+    """The one page size shared by these specs; ``ValueError`` if they differ
+    (vLLM pads pages to one size before groups share a pool)."""
+    page_sizes = {spec.page_size_bytes for spec in kv_cache_specs}
+    if len(page_sizes) != 1:
+        raise ValueError(f"KV cache specs must share one page size, got "
+                         f"{sorted(page_sizes)} bytes")
+    return page_sizes.pop()
+
+
+def max_memory_usage_bytes(kv_cache_specs: Iterable[KVCacheSpec], *, max_model_len: int,
+                           max_num_batched_tokens: int | None = None,
+                           max_num_encoder_input_tokens: int | None = None) -> int:
+    """Bytes one request needs at its peak, summed over ``kv_cache_specs``
+    (one spec per layer gives the whole model; one per group gives one layer
+    of each group). Each spec answers ``spec.max_memory_usage_bytes``."""
+    return sum(spec.max_memory_usage_bytes(
+        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_encoder_input_tokens=max_num_encoder_input_tokens)
+        for spec in kv_cache_specs)
+
+
+def get_max_concurrency_for_kv_cache_config(kv_cache_config: KVCacheConfig, *,
+                                            max_model_len: int,
+                                            max_num_batched_tokens: int | None = None,
+                                            max_num_encoder_input_tokens: int | None = None
+                                            ) -> float:
+    """How many requests of ``max_model_len`` tokens the pool holds at once
+    (the "Maximum concurrency" vLLM logs at startup).
+
+    Blocks per request = one layer's peak bytes summed over the groups,
+    divided by one page (group 0's page size; vLLM gives every group the same);
+    the answer is ``num_blocks`` over that, a float. Like vLLM it divides all
+    of ``num_blocks``, the null block included, and assumes no prefix sharing
+    (shared prefixes let more requests fit).
+
+        full attention, block 16, max_model_len 8192  -> 512 blocks a request
+        + sliding window 1024, batch 2048             -> +193 blocks
+        4096 blocks / 705                              -> 5.81 requests
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ValueError("the KV cache config has no groups; nothing holds blocks")
+    # Every group's tensor serves this many layers (vLLM's group size).
+    num_layer_per_group = max(len(group.layer_names) for group in groups)
+    max_memory_usage_per_request = num_layer_per_group * max_memory_usage_bytes(
+        (group.kv_cache_spec for group in groups), max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_encoder_input_tokens=max_num_encoder_input_tokens)
+    memory_per_block = groups[0].kv_cache_spec.page_size_bytes * num_layer_per_group
+    num_block_per_request = cdiv(max_memory_usage_per_request, memory_per_block)
+    return kv_cache_config.num_blocks / num_block_per_request
+
+
+def estimate_max_model_len(kv_cache_specs: Iterable[KVCacheSpec], available_memory: int, *,
+                           max_model_len: int, max_num_batched_tokens: int | None = None,
+                           max_num_encoder_input_tokens: int | None = None) -> int:
+    """The longest sequence (at most ``max_model_len``) whose peak, summed over
+    ``kv_cache_specs`` (one per layer), fits in ``available_memory`` bytes;
+    0 if not even one token fits. A binary search, as in vLLM, which suggests
+    this number when the configured ``max_model_len`` does not fit."""
+    specs = list(kv_cache_specs)
+
+    def fits(model_len: int) -> bool:
+        return max_memory_usage_bytes(
+            specs, max_model_len=model_len, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_encoder_input_tokens=max_num_encoder_input_tokens) <= available_memory
+
+    if not fits(1):
+        return 0
+    low, high = 1, max_model_len      # fits(low) holds throughout
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 __all__ = [
     "NONE_HASH", "BlockHashListWithBlockSize", "FreeKVCacheBlockQueue", "KVCacheBlock",
-    "generate_block_hash_extra_keys", "get_block_hash", "get_group_id",
-    "get_request_block_hasher", "hash_block_tokens", "init_none_hash",
-    "make_block_hash_with_group_id", "maybe_convert_block_hash", "need_extra_keys",
-    "sha256", "sha256_cbor",
+    "estimate_max_model_len", "generate_block_hash_extra_keys", "get_block_hash",
+    "get_group_id", "get_max_concurrency_for_kv_cache_config", "get_num_blocks",
+    "get_request_block_hasher", "get_uniform_page_size", "hash_block_tokens",
+    "init_none_hash", "make_block_hash_with_group_id", "max_memory_usage_bytes",
+    "maybe_convert_block_hash", "need_extra_keys", "sha256", "sha256_cbor",
 ]

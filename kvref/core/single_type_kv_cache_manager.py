@@ -57,7 +57,9 @@ class SingleTypeKVCacheManager:
             of all groups' block sizes); a multiple of this group's block size.
         max_admission_blocks_per_request: the most blocks one request can hold
             at once, for types that recycle blocks (sliding window, chunked
-            local); ``None`` means no cap.
+            local); ``None`` means no cap. The full-sequence admission check
+            counts at most this many: the pool was sized with the same number,
+            so a long request the pool can serve is never refused for good.
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool,
@@ -251,7 +253,18 @@ class SingleTypeKVCacheManager:
     # -- per-type behaviour ------------------------------------------------------
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        """Leading blocks shared by every request holding blocks (cascade attention)."""
+        """Leading blocks shared by every request holding blocks, which cascade
+        attention computes once for all of them.
+
+        Only full attention can answer (``FullAttentionManager`` counts leading
+        blocks whose ``ref_cnt`` equals the number of requests). Every other
+        type keeps this base answer, 0, which is always safe (no cascade):
+        sliding-window and chunked-local tables start with null blocks, whose
+        ``ref_cnt`` means nothing, so counting would be wrong; Mamba blocks are
+        states, not per-token keys and values; cross-attention blocks are
+        private to their request. (vLLM's base raises instead; each of its
+        other managers returns 0 for these reasons.)
+        """
         return 0
 
     @classmethod
@@ -263,7 +276,10 @@ class SingleTypeKVCacheManager:
 
         The hit covers at most ``max_length`` tokens and a multiple of
         ``alignment_tokens``; blocks the type does not need are the null block.
-        ``drop_eagle_block`` removes the last hit block so EAGLE recomputes it.
+        ``drop_eagle_block`` removes the last hit block so that it is computed
+        again: EAGLE's draft head reads the target model's hidden states of the
+        tokens before the one it drafts from, and the cache keeps only keys and
+        values, not hidden states.
         """
         raise TypeError(f"{cls.__name__} does not serve prefix-cache hits")
 
@@ -489,6 +505,19 @@ class MambaManager(SingleTypeKVCacheManager):
           tokens computed: 40, block size 16, no speculative blocks
           table            [NULL, 8, 9]        8: state at token 32 (cacheable)
                                                9: running state
+
+      Each step the kernel reads the state from the previous step's block and
+      writes the updated state into this step's block (a copy, so the old one
+      survives); once the newer one exists the older is freed
+      (``remove_skipped_blocks``). For the state left in a block to be the
+      state *at a block boundary*, the one a hashed prefix can hit, vLLM's
+      scheduler ends every prefill chunk on a block boundary: a chunk is cut
+      back to the last boundary it crosses (a budget under one block waits
+      for the next step), and only the prompt's final partial block runs
+      past a boundary, its state left uncached. That is also why lookahead
+      tokens get no slots here: ``x * block_size + num_lookahead`` tokens
+      would put the state off a boundary, and draft models have no Mamba
+      layers anyway.
 
     ``num_speculative_blocks`` extra blocks hold states for draft tokens.
 

@@ -20,7 +20,8 @@ and need a model, so ``tests/stateful`` checks them instead.
 
 Entry points: ``check(obj)`` dispatches to ``check_kv_cache_manager`` (an object
 with ``.coordinator``) or ``check_block_pool`` (an object with
-``.free_block_queue``). A violation raises ``InvariantViolation``, an
+``.free_block_queue``). ``check_prefix_hit(manager, request, blocks, n)`` checks
+one ``get_computed_blocks`` answer (INV-HIT-1, INV-HIT-2). A violation raises ``InvariantViolation``, an
 ``AssertionError`` that names the invariant id and, where there is one, the block.
 
 Works on vLLM too. The checker reads only attributes that kvref and vLLM
@@ -265,6 +266,46 @@ def _short(key: Any) -> str:
     if isinstance(key, (bytes, bytearray)):
         return key.hex()[:12] + "..."
     return repr(key)
+
+
+# --------------------------------------------------------------------------
+# One prefix hit: what get_computed_blocks answered
+
+
+def check_prefix_hit(manager: Any, request: Any, computed_blocks: Any,
+                     num_computed_tokens: int) -> None:
+    """INV-HIT-1 and INV-HIT-2 for one ``get_computed_blocks`` answer.
+
+    INV-HIT-1: the hit is at most ``num_tokens - 1`` tokens and a whole number
+    of blocks of every group. INV-HIT-2: every group's hit list covers exactly
+    the hit, ``len(blocks) * block_size == num_computed_tokens``, so the table
+    ``allocate_slots`` builds from it has KV for every token it skips.
+
+    Unlike the stateful suite, this check knows no exception: vLLM 0.25.1
+    itself breaks INV-HIT-2 with EAGLE + Mamba (``specs/coordinator.md``),
+    and the check flags it, as tutorial 10 shows. ``computed_blocks`` is the
+    ``KVCacheBlocks`` (or anything with ``.blocks``, one list per group).
+    O(number of groups).
+    """
+    if not 0 <= num_computed_tokens <= max(request.num_tokens - 1, 0):
+        _fail("INV-HIT-1", f"{request.request_id} with {request.num_tokens} tokens got a "
+              f"hit of {num_computed_tokens}; at most num_tokens - 1 = "
+              f"{request.num_tokens - 1} (the last token is computed for its logits)")
+    managers = manager.coordinator.single_type_managers
+    groups = computed_blocks.blocks
+    if len(groups) != len(managers):
+        _fail("INV-HIT-2", f"the hit has {len(groups)} block lists for "
+              f"{len(managers)} KV cache groups")
+    for g, (group_manager, blocks) in enumerate(zip(managers, groups)):
+        block_size = group_manager.block_size
+        if num_computed_tokens % block_size:
+            _fail("INV-HIT-1", f"a hit of {num_computed_tokens} tokens is not a whole "
+                  f"number of group {g}'s blocks of {block_size}")
+        if len(blocks) * block_size != num_computed_tokens:
+            _fail("INV-HIT-2", f"group {g}'s hit has {len(blocks)} blocks of {block_size} "
+                  f"= {len(blocks) * block_size} tokens, but the hit is "
+                  f"{num_computed_tokens} tokens: allocate_slots would skip tokens that "
+                  f"group holds no KV for")
 
 
 # --------------------------------------------------------------------------

@@ -1,5 +1,14 @@
-"""Pictures of the block pool in the terminal (``rich``); no vLLM counterpart."""
+"""Pictures of the KV cache in the terminal (``rich``); no vLLM counterpart.
 
-from kvref.viz.pool import render_pool
+``pool`` (grid, free queue), ``tables`` (block tables, prefix tree), ``panels``
+(ops in words, events, figures over time, a whole frame), ``player`` (a trace
+replayed to any position), ``workloads`` and ``walkthroughs`` (what ``kvref demo``
+runs), ``explain`` (why an op did what it did), ``interactive`` (stepping).
+"""
 
-__all__ = ["render_pool"]
+from kvref.viz.panels import render_frame, render_pool
+from kvref.viz.pool import render_free_queue, render_grid
+from kvref.viz.tables import render_block_tables, render_prefix_tree
+
+__all__ = ["render_block_tables", "render_free_queue", "render_frame", "render_grid",
+           "render_pool", "render_prefix_tree"]

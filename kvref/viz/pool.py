@@ -1,65 +1,136 @@
-"""Pictures of the block pool for a terminal (``rich``).
+"""The block pool and its free queue, drawn for a terminal (``rich``).
 
-Not part of vLLM: a teaching aid used by ``kvref demo``. One cell per block::
+No vLLM counterpart: a picture of ``vllm/v1/core/block_pool.py``'s state.
+Every block is in one of five states::
 
-    [0 ∅] [1 ◉2] [2 ●1] [3 ○] [4 ·] ...
-     null  cached, in use  free,   free,
-           2 refs  1 ref   cached  empty
+    ∅  the null block (block 0, a placeholder for skipped blocks)
+    ●  in use, not cached        ◉  in use and cached (others can hit it)
+    ○  free but cached: evictable, still hittable until reused
+    ·  free and empty
 
-followed by the free queue from head (evicted next) to tail, and each
-request's block table per group.
+Small pools (``DETAILED_MAX`` blocks) get one cell per block with its id and
+ref count (``  7◉2`` = block 7, cached, held by two requests). Larger pools get
+one character per block, with the ref count as a digit where blocks are shared.
+Pools too large for that are drawn aggregated, one character per run of blocks
+(its most common state), and say so; the exact counts are always printed::
+
+    from rich.console import Console
+    Console(width=80).print(render_grid(manager.block_pool))
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from math import ceil
+
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
-from kvref.core.kv_cache_manager import KVCacheManager
+NULL, USED, USED_CACHED, FREE_CACHED, FREE = "null", "used", "used_cached", "free_cached", "free"
+GLYPH = {NULL: "∅", USED: "●", USED_CACHED: "◉", FREE_CACHED: "○", FREE: "·"}
+# Explicit colours: terminal themes (and rich's SVG theme) render named greens as olive.
+STYLE = {NULL: "#b57edc", USED: "bold #4aa3ff", USED_CACHED: "bold #3ccf4e",
+         FREE_CACHED: "#f0a030", FREE: "#808080"}
+DETAILED_MAX = 120          # one labelled cell per block up to here
+DETAILED_PER_ROW = 10       # 10 cells of 7 columns: 70 columns
+COMPACT_PER_ROW = 64        # plus a 6-column row label: 70 columns
+COMPACT_MAX_CELLS = 1024    # 16 rows of 64
 
-CELLS_PER_ROW = 16
 
-
-def block_cell(block) -> Text:
-    """One block as a short coloured label."""
+def block_state(block) -> str:
     if block.is_null:
-        return Text(f"{block.block_id:>2} ∅ ", style="dim white")
+        return NULL
     if block.ref_cnt > 0:
-        cached = block.block_hash is not None
-        return Text(f"{block.block_id:>2} {'◉' if cached else '●'}{block.ref_cnt}",
-                    style="bold green" if cached else "green")
-    if block.block_hash is not None:
-        return Text(f"{block.block_id:>2} ○ ", style="yellow")
-    return Text(f"{block.block_id:>2} · ", style="dim")
+        return USED_CACHED if block.block_hash is not None else USED
+    return FREE_CACHED if block.block_hash is not None else FREE
 
 
-def render_pool(manager: KVCacheManager, request_ids=None) -> Group:
-    """The pool, the free queue and the block tables of ``request_ids``
-    (default: every request that holds blocks)."""
-    pool = manager.block_pool
-    grid = Table.grid(padding=(0, 1))
-    for _ in range(min(CELLS_PER_ROW, len(pool.blocks))):
-        grid.add_column()
-    for start in range(0, len(pool.blocks), CELLS_PER_ROW):
-        grid.add_row(*[block_cell(b) for b in pool.blocks[start:start + CELLS_PER_ROW]])
+def legend() -> Text:
+    text = Text()
+    for state, words in ((NULL, "null  "), (USED, "in use  "), (USED_CACHED, "in use+cached  "),
+                         (FREE_CACHED, "free, cached (evictable)  "), (FREE, "free")):
+        text.append(GLYPH[state], style=STYLE[state])
+        text.append(" " + words, style="dim")
+    return text
 
-    queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
-    queue_line = Text("free queue (next evicted first): ", style="bold")
-    queue_line.append(" ".join(map(str, queue)) or "(empty)")
-    legend = Text("∅ null   ●n in use, n refs   ◉n in use and cached   ○ free, cached   · free",
-                  style="dim")
 
-    tables = Table(show_header=True, header_style="bold", box=None)
-    tables.add_column("request")
-    for i, group in enumerate(manager.kv_cache_config.kv_cache_groups):
-        tables.add_column(f"group {i}: {type(group.kv_cache_spec).__name__}")
-    if request_ids is None:
-        request_ids = sorted({rid for m in manager.coordinator.single_type_managers
-                              for rid, blocks in m.req_to_blocks.items() if blocks})
-    for rid in request_ids:
-        tables.add_row(rid, *[str(ids) for ids in manager.get_block_ids(rid)])
+def _detailed_cell(block) -> Text:
+    state = block_state(block)
+    refs = ""
+    if state in (USED, USED_CACHED):
+        refs = str(block.ref_cnt) if block.ref_cnt < 100 else "+"
+    return Text(f"{block.block_id:>3}{GLYPH[state]}{refs:<2}", style=STYLE[state])
 
-    usage = Text(f"usage {manager.usage:.0%}   free blocks {pool.get_num_free_blocks()}"
-                 f" of {pool.num_gpu_blocks - 1}")
-    return Group(grid, legend, queue_line, usage, tables)
+
+def _compact_char(block) -> Text:
+    state = block_state(block)
+    glyph = GLYPH[state]
+    if state in (USED, USED_CACHED) and block.ref_cnt > 1:
+        glyph = str(block.ref_cnt) if block.ref_cnt < 10 else "+"
+    return Text(glyph, style=STYLE[state])
+
+
+def state_counts(pool) -> Counter:
+    return Counter(block_state(b) for b in pool.blocks)
+
+
+def render_grid(pool) -> Group:
+    """The pool as a grid; its scale is stated whenever a cell is not one block."""
+    blocks = pool.blocks
+    rows: list[Text] = []
+    if len(blocks) <= DETAILED_MAX:
+        for start in range(0, len(blocks), DETAILED_PER_ROW):
+            row = Text()
+            for block in blocks[start:start + DETAILED_PER_ROW]:
+                row.append_text(_detailed_cell(block))
+                row.append(" ")
+            rows.append(row)
+        scale = Text(f"{len(blocks)} blocks, one cell each: id, state, ref count", style="dim")
+    elif len(blocks) <= COMPACT_MAX_CELLS:
+        for start in range(0, len(blocks), COMPACT_PER_ROW):
+            row = Text(f"{start:>5} ", style="dim")
+            for block in blocks[start:start + COMPACT_PER_ROW]:
+                row.append_text(_compact_char(block))
+            rows.append(row)
+        scale = Text(f"{len(blocks)} blocks, one character each (a digit: shared by that "
+                     "many requests)", style="dim")
+    else:
+        per_cell = ceil(len(blocks) / COMPACT_MAX_CELLS)
+        cells = [blocks[i:i + per_cell] for i in range(0, len(blocks), per_cell)]
+        for start in range(0, len(cells), COMPACT_PER_ROW):
+            row = Text(f"{start * per_cell:>5} ", style="dim")
+            for cell in cells[start:start + COMPACT_PER_ROW]:
+                state = Counter(block_state(b) for b in cell).most_common(1)[0][0]
+                row.append(GLYPH[state], style=STYLE[state])
+            rows.append(row)
+        scale = Text(f"{len(blocks)} blocks drawn aggregated: one character = {per_cell} "
+                     "blocks (their most common state)", style="bold")
+    counts = state_counts(pool)
+    totals = Text(f"in use {counts[USED] + counts[USED_CACHED]} "
+                  f"(cached {counts[USED_CACHED]})  evictable cached {counts[FREE_CACHED]}  "
+                  f"free empty {counts[FREE]}  null {counts[NULL]}")
+    return Group(*rows, scale, legend(), totals)
+
+
+def render_free_queue(pool, head: int = 16, tail: int = 6) -> Text:
+    """The free queue from head (allocated, and so evicted, first) to tail.
+
+    Freed blocks without a hash go to the head (nobody can hit them), cached
+    ones to the tail, so the least recently used cached block is evicted first.
+    Long queues show their two ends and say how many are left out.
+    """
+    queue = pool.free_block_queue.get_all_free_blocks()
+    text = Text("free queue, next evicted first: ", style="bold")
+    if not queue:
+        return text.append("(empty)")
+    shown = queue if len(queue) <= head + tail + 1 else queue[:head] + [None] + queue[-tail:]
+    for block in shown:
+        if block is None:
+            text.append(f"…{len(queue) - head - tail} more… ", style="italic")
+            continue
+        state = block_state(block)
+        text.append(f"{block.block_id}{GLYPH[state]} ", style=STYLE[state])
+    cached = sum(1 for b in queue if b.block_hash is not None)
+    text.append(f"\n({len(queue)} free: {len(queue) - cached} empty, {cached} cached)", style="dim")
+    return text
+

@@ -18,7 +18,7 @@ from kvref import CrossAttentionSpec, MambaSpec
 
 from .configs import cdiv
 from .event_consumer import assert_consumer_agrees
-from .scheduler_model import Content, blocks_read_from, first_token_read
+from .content_model import Content, blocks_read_from, first_token_read
 
 
 class ManagerChecks:

@@ -19,10 +19,12 @@ changed to release a request head first, the shrunk failure reads (Hypothesis
 also prints the three invariants after every step; left out here)::
 
     state = FullAttention()
-    state.arrive(lora=None, own_tokens=0, salt=None, shared_prefix='sys-A')
-    state.engine_step(prefill_tokens=5)
+    state.arrive(lora=None, own_tokens=0, salt=None, shared_prefix='sys-A', skip_cache_read=False)
     Draw 1 (request): 'r0'
+    state.admit(data=data(...), num_tokens=5)
+    Draw 2 (request): 'r0'
     state.abort(data=data(...))
+    state.teardown()
     AssertionError: INV-EVICT-1: group 0's blocks were freed in the order [1, 2];
     a request frees its tail first, so its prefix stays cached longest
 
@@ -52,7 +54,7 @@ from kvref.verify.invariants import check
 from .configs import CONFIGS, ModelConfig
 from .event_consumer import EventConsumer
 from .manager_checks import ManagerChecks, ids
-from .scheduler_model import (
+from .content_model import (
     SHARED_PREFIXES,
     Content,
     PoolObserver,
@@ -83,7 +85,7 @@ class SchedulerDrivesManager(ManagerChecks, RuleBasedStateMachine):
         self.finished_since_reset = False
         self.conversations: dict[str, tuple] = {}  # finished -> (tokens, lora, salt)
         self.in_flight: list[tuple[dict, list]] = []       # popped, not yet freed blocks
-        # What each block holds (see scheduler_model.Content), and the one-to-one
+        # What each block holds (see content_model.Content), and the one-to-one
         # map between contents and index keys that hashing must give.
         self.content: dict[int, Content] = {}
         self.key_of_content: dict[Content, bytes] = {}

@@ -1,4 +1,7 @@
-"""What the scheduler machine knows that kvref cannot tell it.
+"""The manager machine's model of the world: what kvref cannot tell it about itself.
+
+Not a scheduler (the machine in ``test_kv_cache_manager_machine.py`` plays the
+scheduler); this module holds the facts the machine checks kvref against:
 
 - ``Content``: what a block holds, recorded by the model when the block is
   written. A key or value at position ``t`` depends on every token up to ``t``
@@ -10,6 +13,9 @@
   and checking that each call hands out the head of the queue and frees tail first.
 - ``blocks_read_from``: the blocks a token at a given position reads, per
   attention type; the machine checks hits and block tables against it.
+- ``SHARED_PREFIXES``, ``fresh_tokens``, ``greedy_next_token``: the prompts
+  and the deterministic "model" that decodes them, chosen so requests share
+  prefixes and equal prompts decode equal tokens.
 """
 
 from __future__ import annotations

@@ -1,0 +1,227 @@
+"""``LLM``: the offline entry point, generating with kvref's KV cache manager.
+
+Mirrors ``vllm/entrypoints/llm.py`` (``LLM.generate``) together with the engine
+loop of ``vllm/v1/engine/core.py`` (``EngineCore.step``): every step the
+scheduler plans a batch over ``kvref.KVCacheManager``, the model runner runs it
+over the paged KV cache, and the scheduler takes the sampled tokens back::
+
+    llm = LLM("path/to/checkpoint", num_gpu_blocks=64)        # or a transformers model
+    outs = llm.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_tokens=8))
+    outs[0].outputs[0].token_ids          # 8 greedy tokens
+    llm.stats                             # prompt tokens computed vs cached, preemptions
+    llm.kv_cache_manager.block_pool       # the live pool
+
+``after_step`` hooks run after every step with the ``LLM`` (tests check the
+manager's invariants there; the visualizer draws the pool).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvref import KVCacheManager, SlidingWindowSpec
+from kvref.engine.loader import load_model
+from kvref.engine.model_runner import GPUModelRunner, make_kv_cache_config
+from kvref.engine.ngram_proposer import NgramProposer
+from kvref.engine.request import EngineRequest
+from kvref.engine.sampling_params import SamplingParams
+from kvref.engine.scheduler import Scheduler, SchedulerStats
+
+__all__ = ["CompletionOutput", "LLM", "RequestOutput"]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (``vllm/outputs.py``). ``logits``: one
+    ``[vocab]`` float32 tensor per generated token, when the LLM keeps them."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its prompt, its completion, and its prefix-cache hit."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+
+
+class LLM:
+    """Generate with a ``transformers`` causal LM running on kvref's paged KV cache.
+
+    Args:
+        model: a ``transformers`` ``PreTrainedModel`` (Llama, Qwen2, Qwen3) or
+            a local checkpoint folder (``config.json`` + weights).
+        block_size: tokens per KV block.
+        num_gpu_blocks: KV blocks in the pool, null block included; default:
+            room for ``max_num_seqs`` full-length requests within
+            ``kv_cache_memory_bytes``. Small pools force preemption and eviction.
+        enable_prefix_caching: reuse cached blocks of identical prefixes.
+        max_num_batched_tokens: tokens per step (default 2048).
+        max_num_seqs: requests running at once (default 256).
+        max_model_len: longest sequence (default: the config's
+            ``max_position_embeddings``).
+        long_prefill_token_threshold, enable_chunked_prefill: as in the scheduler.
+        watermark: fraction of the pool new requests leave free.
+        device, dtype: where the model and KV cache live, and their dtype.
+        keep_logits: put each generated token's logits in ``CompletionOutput.logits``.
+        kv_cache_memory_bytes: the memory the default pool size may use.
+        enable_kv_cache_events: queue the manager's block events
+            (``llm.kv_cache_manager.take_events()``).
+        speculative_config: ``{"method": "ngram", "num_speculative_tokens": k,
+            "prompt_lookup_min": a, "prompt_lookup_max": b}`` (vLLM's keys).
+    """
+
+    def __init__(self, model, *, block_size: int = 16, num_gpu_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
+                 watermark: float = 0.0, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None, keep_logits: bool = False,
+                 kv_cache_memory_bytes: int = 1 << 30,
+                 enable_kv_cache_events: bool = False,
+                 speculative_config: dict | None = None) -> None:
+        self.device = torch.device(device)
+        self.model = load_model(model, self.device, dtype)
+        self.dtype = next(self.model.parameters()).dtype
+        config = self.model.config
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_num_seqs = max_num_seqs or 256
+        self.max_num_batched_tokens = max_num_batched_tokens or 2048
+        if not enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len})")
+
+        probe = make_kv_cache_config(config, block_size, 1, self.dtype)
+        per_request = self._blocks_per_full_request(probe, block_size)
+        if num_gpu_blocks is None:
+            num_tensors = max(len(g.layer_names) for g in probe.kv_cache_groups)
+            block_bytes = num_tensors * probe.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+            num_gpu_blocks = min(kv_cache_memory_bytes // block_bytes,
+                                 1 + self.max_num_seqs * per_request)
+        if num_gpu_blocks < 1 + per_request:
+            # vLLM refuses to start too: a full-length request could never run.
+            raise ValueError(f"num_gpu_blocks={num_gpu_blocks} cannot hold one request of "
+                             f"max_model_len={self.max_model_len} tokens: it needs "
+                             f"{per_request} blocks plus the null block")
+        self.kv_cache_config = make_kv_cache_config(config, block_size, num_gpu_blocks,
+                                                    self.dtype)
+
+        self.kv_cache_manager = KVCacheManager(
+            self.kv_cache_config, max_model_len=self.max_model_len,
+            scheduler_block_size=block_size, hash_block_size=block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_caching=enable_prefix_caching, log_stats=True, watermark=watermark,
+            enable_kv_cache_events=enable_kv_cache_events)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_chunked_prefill=enable_chunked_prefill, eos_token_id=config.eos_token_id)
+        self.model_runner = GPUModelRunner(
+            self.model, self.kv_cache_config, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_seqs,
+            device=self.device, dtype=self.dtype, keep_logits=keep_logits,
+            drafter=self._make_drafter(speculative_config))
+        self.after_step: list[Callable[[LLM], None]] = []
+        self._logits: dict[str, list[torch.Tensor]] = {}
+        self._next_request_id = 0
+
+    def _make_drafter(self, speculative_config: dict | None) -> NgramProposer | None:
+        if not speculative_config:
+            return None
+        config = dict(speculative_config)
+        method = config.pop("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative method {method!r} is not supported (ngram)")
+        k = config.pop("num_speculative_tokens")
+        low = config.pop("prompt_lookup_min", 1)
+        high = config.pop("prompt_lookup_max", low)
+        if config:
+            raise ValueError(f"unknown speculative_config keys {sorted(config)}")
+        return NgramProposer(low, high, k, self.max_model_len)
+
+    def _blocks_per_full_request(self, kv_cache_config, block_size: int) -> int:
+        total = 0
+        for group in kv_cache_config.kv_cache_groups:
+            blocks = math.ceil(self.max_model_len / block_size)
+            spec = group.kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec):
+                blocks = min(blocks, spec.max_admission_blocks_per_request(
+                    self.max_num_batched_tokens, self.max_model_len))
+            total += blocks
+        return total
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Steps, preemptions, and prompt tokens computed versus served by the prefix cache."""
+        return self.scheduler.stats
+
+    def add_request(self, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> EngineRequest:
+        """Queue one prompt; ``step()`` runs it."""
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab})")
+        if request_id is None:
+            request_id = str(self._next_request_id)
+            self._next_request_id += 1
+        return self.scheduler.new_request(request_id, ids, sampling_params)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests that finished in it."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        for req_id, logits in runner_output.logits.items():
+            self._logits.setdefault(req_id, []).extend(logits)
+        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.scheduler.update_draft_token_ids(self.model_runner.take_draft_token_ids())
+        for hook in self.after_step:
+            hook(self)
+        return [self._make_output(req) for req in finished]
+
+    def generate(self, prompts: Sequence, sampling_params: SamplingParams
+                 | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order.
+
+        ``prompts``: token-id lists, or ``{"prompt_token_ids": [...]}`` dicts.
+        ``sampling_params``: one for all, or one per prompt.
+        """
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} "
+                             "prompts")
+        order = []
+        for prompt, params in zip(prompts, sampling_params):
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt_token_ids"]
+            order.append(self.add_request(prompt, params).request_id)
+        done: dict[str, RequestOutput] = {}
+        while self.scheduler.has_unfinished_requests():
+            for output in self.step():
+                done[output.request_id] = output
+        return [done[request_id] for request_id in order]
+
+    def _make_output(self, request: EngineRequest) -> RequestOutput:
+        tokens = list(request.output_token_ids)
+        # A stop inside an accepted draft drops its tail: drop those logits too.
+        logits = self._logits.pop(request.request_id, [])[:len(tokens)]
+        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits)
+        return RequestOutput(request.request_id, list(request.prompt_token_ids),
+                             [completion], True, request.num_cached_tokens)

@@ -1,0 +1,382 @@
+"""A decoder-only transformer in plain torch, reading and writing a paged KV cache.
+
+Mirrors ``vllm/model_executor/models/llama.py`` (and ``qwen2.py``/``qwen3.py``,
+which are Llama plus QKV bias, or plus per-head q/k RMSNorm and sliding-window
+layers). Written the gpt-fast way: each piece a few lines, shapes in comments.
+The batch is packed: ``[num_tokens, ...]``, requests back to back, no padding.
+
+    token ids ─ embed ─ N x [ x + attention(RMSNorm(x)) ; x + MLP(RMSNorm(x)) ]
+              ─ RMSNorm ─ lm_head ─ logits        (x: the residual stream)
+
+Attention writes this step's keys and values into the layer's paged cache
+(``kvref.attention.write_kv``) and reads the request's whole context back
+through its block table (``kvref.attention.paged_attention``); a layer whose
+``layer_types`` entry is ``"sliding_attention"`` sees only the last
+``sliding_window`` positions. Weights load from a Hugging Face state dict with
+vLLM's fused ``qkv_proj`` and ``gate_up_proj`` (``load_weights``).
+
+    >>> import torch
+    >>> config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=16,
+    ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    ...     num_key_value_heads=1, head_dim=8)
+    >>> model = TransformerForCausalLM(config)
+    >>> model.layers[0].self_attn.qkv_proj.weight.shape    # q 2x8, k 1x8, v 1x8 rows
+    torch.Size([32, 16])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvref.attention import paged_attention, write_kv
+
+__all__ = ["AttentionMetadata", "ModelConfig", "RotaryEmbedding", "TransformerForCausalLM"]
+
+SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, read from a ``transformers`` config (``from_hf_config``)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False     # bias on q, k, v (Qwen2; Llama's attention_bias)
+    mlp_bias: bool = False
+    qk_norm: bool = False            # RMSNorm over each head of q and k (Qwen3)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not supported; "
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads {self.num_key_value_heads}")
+        rope_type = self.rope_scaling.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; "
+                             f"supported: {sorted(SUPPORTED_ROPE_TYPES)}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types",
+                               ("full_attention",) * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        for kind in self.layer_types:
+            if kind not in ("full_attention", "sliding_attention"):
+                raise ValueError(f"layer type {kind!r} is not supported "
+                                 "(full_attention, sliding_attention)")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer ``layer_idx`` (None: full attention)."""
+        if self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> ModelConfig:
+        """Read a ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` (transformers 4 or 5)."""
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"model_type {model_type!r} is not supported; "
+                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (silu)")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        # transformers 5 keeps theta and scaling in rope_parameters; 4 in two fields.
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if not rope:
+            rope = dict(getattr(hf_config, "rope_scaling", None) or {})
+            rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1.0 is not supported")
+        layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if "sliding_attention" not in layer_types:
+            sliding_window = None
+        eos = getattr(hf_config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        return cls(
+            architecture=model_type, vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers, num_attention_heads=num_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim, rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=rope,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias; Llama says so in attention_bias.
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias",
+                                                                 False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3", layer_types=layer_types,
+            sliding_window=sliding_window, eos_token_id=eos)
+
+
+@dataclass
+class AttentionMetadata:
+    """One KV cache group's view of the packed batch (vLLM's FlashAttentionMetadata).
+
+    For each request, its query is the tail of its sequence::
+
+        |<------------- seq_len -------------->|
+        |<--- context_len --->|<- query_len ->|
+          already in the cache   computed now
+
+    ``query_start_loc``: ``[num_reqs + 1]`` cumulative query lengths;
+    ``seq_lens``: ``[num_reqs]``; ``block_table``: ``[num_reqs, max_blocks]``;
+    ``slot_mapping``: ``[num_tokens]``, where each new token's key and value go.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()                                     # normalise in float32, as HF does
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, rotate-half (GPT-NeoX) layout, as Llama uses.
+
+    ``inv_freq[i] = theta ** (-2i / head_dim)``, then rescaled by the config's
+    ``rope_type``: ``linear`` divides every frequency by ``factor``; ``llama3``
+    divides only the low frequencies (long wavelengths) and blends in between.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                    / head_dim))
+        rope_type = scaling.get("rope_type", "default")
+        if rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, KV, D]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]      # [T, D/2]
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]            # [T, 1, D]
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are stretched by factor; short ones kept.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged cache of one layer."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = config.layer_sliding_window(layer_idx)
+        # One matmul for q, k and v (vLLM's QKVParallelLinear): rows [q | k | v].
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)             # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)          # [T, KV, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)          # [T, KV, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, query_start_loc=meta.query_start_loc,
+                              seq_lens=meta.seq_lens, block_table=meta.block_table,
+                              scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))          # [T, hidden]
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, gate and up in one matmul (vLLM's gate_up_proj)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class TransformerForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 over kvref's paged KV cache.
+
+    ``forward(input_ids [T], positions [T], kv_caches, attn_metadata)`` returns
+    hidden states ``[T, hidden]``; ``compute_logits`` maps chosen rows to the
+    vocabulary. ``kv_caches[i]`` is layer ``i``'s cache and
+    ``attn_metadata[i]`` the metadata of layer ``i``'s KV cache group.
+    """
+
+    # HF checkpoint names fused into one parameter: (ours, theirs, shard).
+    stacked_params_mapping = (
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: Sequence[torch.Tensor],
+                attn_metadata: Sequence[AttentionMetadata]) -> torch.Tensor:
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions "
+                             f"{tuple(positions.shape)} must be the same [num_tokens] shape")
+        hidden = self.embed_tokens(input_ids)                              # [T, hidden]
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)                                        # [N, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy a Hugging Face state dict in; return the names of our parameters set.
+
+        Mirrors ``LlamaForCausalLM.load_weights``: ``model.`` prefixes are
+        dropped, ``q/k/v_proj`` and ``gate/up_proj`` land in their slice of the
+        fused parameter, and a tied ``lm_head`` is skipped (it is the embedding).
+        Raises ``ValueError`` on an unknown name or a shape that does not fit.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue                                   # recomputed, not learned
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for fused, part, shard in self.stacked_params_mapping:
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    self._param(params, target, name)
+                    rows = self._shard_rows(fused, shard, params[target].shape[0])
+                    self._copy(params[target].data[rows], tensor, name)
+                    loaded.add(target)
+                    break
+            else:
+                self._param(params, name, name)
+                self._copy(params[name].data, tensor, name)
+                loaded.add(name)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"the checkpoint has no weights for {sorted(missing)}")
+        return loaded
+
+    def _shard_rows(self, fused: str, shard, total_rows: int) -> slice:
+        c = self.config
+        if fused == "qkv_proj":
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
+        half = total_rows // 2
+        return slice(shard * half, (shard + 1) * half)
+
+    @staticmethod
+    def _param(params: dict, target: str, source: str) -> None:
+        if target not in params:
+            raise ValueError(f"checkpoint weight {source!r} has no parameter here "
+                             f"(looked for {target!r})")
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        if dst.shape != src.shape:
+            raise ValueError(f"checkpoint weight {name!r} has shape {tuple(src.shape)}, "
+                             f"the model expects {tuple(dst.shape)}")
+        dst.copy_(src.to(dst.dtype))

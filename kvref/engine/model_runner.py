@@ -1,0 +1,252 @@
+"""The model runner: one ``SchedulerOutput`` in, one sampled token per request out.
+
+Mirrors ``vllm/v1/worker/gpu_model_runner.py`` (``_update_states``,
+``_prepare_inputs``, ``execute_model``, ``initialize_kv_cache``) and the
+KV-cache layout of ``vllm/v1/core/kv_cache_utils.py::get_kv_cache_config``.
+A step, for a batch of requests packed back to back:
+
+    request      a (prefill chunk)     b (decode)   c (new, 8-token prefix hit)
+    positions    0 1 2 3 4 5           17           8 9 10
+    input_ids    a0 .. a5              b17          c8 c9 c10
+    query_start_loc  [0, 6, 7, 10]     seq_lens [6, 18, 11]
+    slot_mapping     block_table[r][pos // block_size] * block_size + pos % block_size
+                     (one per KV cache group: each group has its own blocks)
+
+then the model writes the new keys/values at ``slot_mapping`` and attends over
+each request's blocks; the logits of each request's last scheduled token are
+sampled, unless the step ended inside its prompt (a cut prefill).
+
+Unlike vLLM, the batch is not persistent: every step re-writes the block-table
+rows of the scheduled requests from the block ids the runner keeps per request
+(``RunnerRequestStates``), which is what vLLM's persistent batch amounts to.
+
+KV cache layout: one ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
+tensor per layer position, shared by the ``j``-th layer of every KV cache group
+(vLLM's ``KVCacheTensor.shared_by``). It works because a block id belongs to
+one group at a time: the pool never hands one block to two groups.
+
+    >>> config = ModelConfig(architecture="qwen3", vocab_size=32, hidden_size=16,
+    ...     intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+    ...     num_key_value_heads=1, head_dim=8, sliding_window=6,
+    ...     layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    >>> kv_config = make_kv_cache_config(config, block_size=4, num_blocks=20,
+    ...                                  dtype=torch.float32)
+    >>> [(type(g.kv_cache_spec).__name__, g.layer_names) for g in kv_config.kv_cache_groups]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('FullAttentionSpec', ['model.layers.1.self_attn.attn']),
+     ('SlidingWindowSpec', ['model.layers.0.self_attn.attn', 'model.layers.2.self_attn.attn'])]
+    >>> runner = GPUModelRunner(TransformerForCausalLM(config), kv_config, max_model_len=32,
+    ...                         max_num_batched_tokens=16, max_num_reqs=4)
+    >>> runner.kv_caches[0] is runner.kv_caches[1]      # tensor 0: layer 0 and layer 1
+    True
+    >>> runner.kv_caches[2].shape                        # [num_blocks, 2, block, KV, D]
+    torch.Size([20, 2, 4, 1, 8])
+
+The assembled engine is ``kvref.engine.llm.LLM``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from kvref.attention import make_kv_cache
+from kvref.engine.model import AttentionMetadata, ModelConfig, TransformerForCausalLM
+from kvref.engine.model_free_runner import RunnerRequestState, RunnerRequestStates
+from kvref.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from kvref.worker import MultiGroupBlockTable
+
+__all__ = ["GPUModelRunner", "layer_name", "make_kv_cache_config"]
+
+
+def layer_name(layer_idx: int) -> str:
+    """The attention layer's name in KV cache groups (vLLM's naming)."""
+    return f"model.layers.{layer_idx}.self_attn.attn"
+
+
+def make_kv_cache_config(config: ModelConfig, block_size: int, num_blocks: int,
+                         dtype: torch.dtype) -> KVCacheConfig:
+    """One KV cache group per layer type: full attention first, then sliding window.
+
+    (vLLM also splits a type into several equal-size groups so that every
+    group has the same number of layers; one group per type is the same idea
+    with fewer moving parts.)
+    """
+    dtype_name = str(dtype).removeprefix("torch.")
+    heads = dict(num_kv_heads=config.num_key_value_heads, head_size=config.head_dim,
+                 dtype=dtype_name)
+    full = [layer_name(i) for i, t in enumerate(config.layer_types) if t == "full_attention"]
+    window = [layer_name(i) for i, t in enumerate(config.layer_types)
+              if t == "sliding_attention"]
+    groups = []
+    if full:
+        groups.append(KVCacheGroupSpec(full, FullAttentionSpec(block_size, **heads)))
+    if window:
+        groups.append(KVCacheGroupSpec(
+            window, SlidingWindowSpec(block_size, config.sliding_window, **heads)))
+    return KVCacheConfig(num_blocks, groups)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The packed inputs of one step."""
+
+    input_ids: torch.Tensor            # [num_tokens]
+    positions: torch.Tensor            # [num_tokens]
+    logits_indices: torch.Tensor       # [num_logits]: rows whose next token is sampled
+    # Per request that samples: its state, its draft, and its rows of logits_indices
+    # (the last known token, then each draft token: len(draft) + 1 rows).
+    sampling: list[tuple[RunnerRequestState, list[int], slice]]
+    attn_metadata: list[AttentionMetadata]   # per layer
+
+
+class GPUModelRunner(RunnerRequestStates):
+    """Runs ``model`` on the scheduled batch over a paged KV cache.
+
+    Args:
+        model: the network (weights already loaded).
+        kv_cache_config: the pool the scheduler's manager allocates from.
+        max_model_len, max_num_batched_tokens, max_num_reqs: size the block
+            table and its slot-mapping buffer.
+        device, dtype: where and in what the KV cache lives.
+        keep_logits: return each sampled token's logits (float32, CPU) in
+            ``ModelRunnerOutput.logits`` (tests compare them with transformers).
+        drafter: an ``NgramProposer`` for speculative decoding, or None.
+    """
+
+    def __init__(self, model: TransformerForCausalLM, kv_cache_config: KVCacheConfig, *,
+                 max_model_len: int, max_num_batched_tokens: int, max_num_reqs: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 keep_logits: bool = False, drafter=None) -> None:
+        super().__init__(drafter)
+        self.model = model
+        self.kv_cache_config = kv_cache_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.keep_logits = keep_logits
+        groups = kv_cache_config.kv_cache_groups
+        group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        num_layers = model.config.num_hidden_layers
+        missing = [layer_name(i) for i in range(num_layers) if layer_name(i) not in group_of]
+        if missing:
+            raise ValueError(f"layers {missing} are in no KV cache group")
+        self.layer_to_group = [group_of[layer_name(i)] for i in range(num_layers)]
+        self.kv_caches = self._initialize_kv_cache()
+        self.block_table = MultiGroupBlockTable(
+            max_num_reqs=max_num_reqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, device=self.device,
+            block_sizes=[g.kv_cache_spec.block_size for g in groups])
+
+    def _initialize_kv_cache(self) -> list[torch.Tensor]:
+        """Layer ``j`` of each group shares the ``j``-th tensor; returns one view per layer."""
+        config = self.model.config
+        groups = self.kv_cache_config.kv_cache_groups
+        num_tensors = max(len(g.layer_names) for g in groups)
+        block_size = groups[0].kv_cache_spec.block_size
+        if any(g.kv_cache_spec.block_size != block_size for g in groups):
+            raise ValueError("shared KV cache tensors need one block size for all groups, got "
+                             f"{[g.kv_cache_spec.block_size for g in groups]}")
+        tensors = [make_kv_cache(self.kv_cache_config.num_blocks, block_size,
+                                 config.num_key_value_heads, config.head_dim,
+                                 dtype=self.dtype, device=self.device)
+                   for _ in range(num_tensors)]
+        by_name = {name: tensors[j] for g in groups for j, name in enumerate(g.layer_names)}
+        return [by_name[layer_name(i)] for i in range(config.num_hidden_layers)]
+
+    def on_new_request(self, state: RunnerRequestState) -> None:
+        params = state.sampling_params
+        if params is not None and params.temperature > 0.0:
+            state.generator = torch.Generator(device=self.device)
+            if params.seed is not None:
+                state.generator.manual_seed(params.seed)
+            else:
+                state.generator.seed()
+
+    # -- one step ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        states = self.update_states(scheduler_output)
+        req_ids = [s.req_id for s in states]
+        output = ModelRunnerOutput(req_ids=req_ids,
+                                   req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=[[] for _ in states])
+        if not states:
+            return output
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        batch = self._prepare_inputs(states, num_scheduled, drafts)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                            batch.attn_metadata)
+        logits = None
+        if batch.sampling:
+            logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        sampled: dict[str, list[int]] = {}
+        for state, draft, rows in batch.sampling:
+            targets = self._sample(logits[rows], state)
+            sampled[state.req_id] = self.accept_draft(draft, targets)
+            if self.keep_logits:
+                output.logits[state.req_id] = logits[rows][:len(sampled[state.req_id])].cpu()
+        for state in states:
+            tokens = sampled.get(state.req_id, [])
+            output.sampled_token_ids[output.req_id_to_index[state.req_id]] = tokens
+            self.finish_step(state, num_scheduled[state.req_id], drafts.get(state.req_id, []),
+                             tokens)
+        return output
+
+    def _prepare_inputs(self, states: list[RunnerRequestState],
+                        num_scheduled_tokens: dict[str, int],
+                        drafts: dict[str, list[int]]) -> _Batch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[tuple[RunnerRequestState, list[int], slice]] = []
+        for row, state in enumerate(states):
+            n = num_scheduled_tokens[state.req_id]
+            draft = drafts.get(state.req_id, [])
+            start = state.num_computed_tokens
+            input_ids.extend(self.scheduled_token_ids(state, n, draft))
+            positions.extend(range(start, start + n))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(start + n)
+            self.block_table.add_row(state.block_ids, row)
+            if self.samples(state, n):
+                # Rows of the last known token and of each draft token.
+                first = len(logits_indices)
+                end = query_start_loc[-1]
+                logits_indices.extend(range(end - len(draft) - 1, end))
+                sampling.append((state, draft, slice(first, len(logits_indices))))
+
+        device = self.device
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        query_start_loc_t = torch.tensor(query_start_loc, dtype=torch.int32, device=device)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        num_reqs = len(states)
+        slot_mappings = self.block_table.compute_slot_mapping(num_reqs, query_start_loc_t,
+                                                              positions_t)
+        per_group = [
+            AttentionMetadata(query_start_loc=query_start_loc_t, seq_lens=seq_lens_t,
+                              block_table=self.block_table[g].get_device_tensor(num_reqs),
+                              slot_mapping=slot_mappings[g],
+                              max_query_len=max(num_scheduled_tokens[s.req_id] for s in states),
+                              max_seq_len=max(seq_lens))
+            for g in range(len(self.block_table))]
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=positions_t,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            sampling=sampling,
+            attn_metadata=[per_group[g] for g in self.layer_to_group])
+
+    def _sample(self, logits: torch.Tensor, state: RunnerRequestState) -> list[int]:
+        """One token per row of ``logits [rows, vocab]``: argmax at temperature 0,
+        else softmax sampling with the request's own RNG."""
+        params = state.sampling_params
+        if params is None or params.temperature == 0.0:
+            return logits.argmax(dim=-1).tolist()
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=state.generator).squeeze(-1).tolist()

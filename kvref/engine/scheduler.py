@@ -1,0 +1,550 @@
+"""The scheduler: which requests run this step, and how many tokens each.
+
+Mirrors ``vllm/v1/core/sched/scheduler.py`` (v0.25.1), FCFS policy, without
+the KV connector, encoder inputs, LoRA, structured output and async
+scheduling; speculative decoding only with draft tokens that need no KV
+lookahead slots (the n-gram proposer). What is left is the part that drives
+the KV cache manager, in vLLM's order and with vLLM's calls::
+
+    schedule()
+      1. RUNNING requests, oldest first. Each wants
+         num_tokens - num_computed_tokens tokens (1 when decoding; a chunk
+         when its prefill was cut), capped by long_prefill_token_threshold,
+         the step's token budget and max_model_len - 1.
+         allocate_slots(req, n) -> None means the pool is full: preempt the
+         NEWEST running request (free its blocks, num_computed_tokens = 0,
+         back to the FRONT of the waiting queue) and try again. If the
+         newest is the request itself, it is preempted and the loop stops.
+      2. WAITING requests, only if nobody was preempted this step, while
+         there is budget and fewer than max_num_seqs are running:
+         get_computed_blocks(req) finds the prefix hit (when the request
+         has no computed tokens), then
+         allocate_slots(req, n, num_hit, hit_blocks,
+                        has_scheduled_reqs=bool(running))
+         -> None stops admission (the manager's watermark keeps a share of
+         the pool free for requests already running).
+         Admitted: RUNNING, num_computed_tokens = num_hit.
+      3. Every scheduled request's num_computed_tokens += its tokens now,
+         so a cut prefill continues next step without waiting for the model.
+    update_from_output(output)
+      roll num_computed_tokens back over rejected draft tokens, append each
+      sampled token, check_stop, and free finished requests.
+    update_draft_token_ids(drafts)
+      draft tokens for the next step (decoding requests only).
+
+Use it with any runner that turns a ``SchedulerOutput`` into a
+``ModelRunnerOutput``: ``kvref.engine.model_runner.GPUModelRunner`` runs a
+real model; ``kvref.engine.model_free_runner.ModelFreeRunner`` emits
+deterministic tokens with no model at all::
+
+    >>> from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+    ...                    KVCacheManager)
+    >>> from kvref.engine.model_free_runner import ModelFreeRunner, engine_step
+    >>> config = KVCacheConfig(16, [KVCacheGroupSpec(["l0"], FullAttentionSpec(4))])
+    >>> manager = KVCacheManager(config, max_model_len=64, scheduler_block_size=4,
+    ...                          hash_block_size=4)
+    >>> scheduler = Scheduler(manager, max_num_batched_tokens=8, max_num_seqs=4)
+    >>> _ = scheduler.new_request("a", list(range(10)), SamplingParams(max_tokens=3))
+    >>> runner = ModelFreeRunner(vocab_size=100)
+    >>> while scheduler.has_unfinished_requests():
+    ...     _ = engine_step(scheduler, runner)
+    >>> [r.num_scheduled_tokens for r in scheduler.step_records]   # chunked prefill
+    [{'a': 8}, {'a': 2}, {'a': 1}, {'a': 1}]
+
+API summary (what other code relies on):
+    ``Scheduler(kv_cache_manager, max_num_batched_tokens, max_num_seqs=128,
+    max_model_len=None, long_prefill_token_threshold=0,
+    enable_chunked_prefill=True, eos_token_id=None)``;
+    ``new_request(request_id, prompt_token_ids, sampling_params) -> EngineRequest``
+    or ``add_request(EngineRequest)``; ``schedule() -> SchedulerOutput``;
+    ``update_from_output(scheduler_output, model_runner_output) -> list[EngineRequest]``
+    (the requests that finished); ``update_draft_token_ids({req_id: draft})``;
+    ``finish_requests(ids, status)`` (abort);
+    ``has_unfinished_requests()``; ``running``, ``waiting``, ``requests``;
+    ``step_records`` (one ``StepRecord`` per step: scheduled tokens, admitted,
+    resumed, preempted, finished, prefix-hit tokens, free blocks) and ``stats``
+    (``SchedulerStats``: totals over the run).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import sys
+
+from kvref import (KVCacheBlocks, KVCacheManager, RequestStatus, get_request_block_hasher,
+                   init_none_hash, sha256)
+from kvref.engine.request import EngineRequest, check_stop
+from kvref.engine.sampling_params import SamplingParams
+
+__all__ = ["CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Scheduler",
+           "SchedulerOutput", "SchedulerStats", "StepRecord"]
+
+
+# ---------------------------------------------------------------------------
+# What the scheduler hands the runner (vllm/v1/core/sched/output.py)
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or has forgotten): everything it needs."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]      # per KV cache group
+    num_computed_tokens: int              # the prefix hit: tokens already in the cache
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds: only what changed since last step.
+
+    Parallel lists, one entry per request. ``new_block_ids[i]`` is None when
+    no block was added; for a resumed request it is the whole new table.
+    ``all_token_ids`` holds the full token list of requests that were not
+    scheduled in the previous step (the runner cannot have their last token).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. ``num_scheduled_tokens`` is in batch order."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]   # draft tokens, after the real ones
+    num_common_prefix_blocks: list[int]
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]            # finished since the previous step
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What the runner returns (``vllm/v1/outputs.py``).
+
+    ``sampled_token_ids[req_id_to_index[r]]`` is ``[token]`` for a request whose
+    scheduled tokens reached its last token, ``[]`` for a cut prefill chunk;
+    with draft tokens, the accepted drafts and then one token of the model's.
+    ``logits`` (optional) maps a request id to the ``[num_sampled, vocab]``
+    logits its sampled tokens were drawn from.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logits: dict[str, object] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------
+# What happened (for tests, the visualizer and llm.stats)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One step as the scheduler saw it."""
+
+    step: int
+    num_scheduled_tokens: dict[str, int]
+    admitted: list[str]                   # new requests that got their first tokens
+    resumed: list[str]                    # preempted requests admitted again
+    preempted: list[str]
+    prefix_hit_tokens: dict[str, int]     # admitted/resumed: tokens served by the cache
+    num_free_blocks: int                  # after scheduling
+    num_running: int
+    num_waiting: int
+    # Filled by update_from_output: who finished, and the tokens each request took.
+    finished: list[str] = field(default_factory=list)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Totals over the scheduler's life.
+
+    Every prompt token is either computed or served by the prefix cache, once
+    per admission: ``prompt_tokens_computed + prompt_tokens_cached`` equals the
+    prompt lengths summed, plus what preemption made the engine do again.
+    """
+
+    num_steps: int = 0
+    num_requests: int = 0
+    num_prompt_tokens: int = 0            # prompt lengths of the requests added
+    num_preemptions: int = 0
+    num_finished: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    total_tokens_scheduled: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+# ---------------------------------------------------------------------------
+
+
+class Scheduler:
+    """FCFS continuous batching over a ``KVCacheManager``.
+
+    Args:
+        kv_cache_manager: the manager whose blocks this scheduler hands out.
+        max_num_batched_tokens: the token budget of one step.
+        max_num_seqs: most requests RUNNING at once.
+        max_model_len: longest sequence (default: the manager's).
+        long_prefill_token_threshold: if > 0, a request gets at most this many
+            tokens per step (so long prompts share steps with decodes).
+        enable_chunked_prefill: if False, a waiting request whose prompt does
+            not fit the remaining budget stops admission instead of being cut.
+        eos_token_id: end-of-sequence id given to requests made by ``new_request``.
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
+                 max_num_seqs: int = 128, max_model_len: int | None = None,
+                 long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
+                 eos_token_id: int | None = None) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, got "
+                             f"{long_prefill_token_threshold}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_scheduled_tokens = max_num_batched_tokens
+        self.max_num_running_reqs = max_num_seqs
+        self.max_model_len = max_model_len or kv_cache_manager.max_model_len
+        if self.max_model_len > kv_cache_manager.max_model_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the manager's "
+                             f"{kv_cache_manager.max_model_len}")
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.eos_token_id = eos_token_id
+        # Requests hash their blocks as they grow; the manager looks hits up by them.
+        if getattr(sys.modules[init_none_hash.__module__], "NONE_HASH", None) is None:
+            init_none_hash(sha256)                # vLLM's engine seeds it once at start
+        self.block_hasher = get_request_block_hasher(
+            kv_cache_manager.block_pool.hash_block_size, sha256)
+
+        self.requests: dict[str, EngineRequest] = {}
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.finished_req_ids: set[str] = set()
+        self.prev_step_scheduled_req_ids: set[str] = set()
+        self.step_records: list[StepRecord] = []
+        self.stats = SchedulerStats()
+
+    # -- requests in and out -------------------------------------------------
+
+    def new_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams | None = None) -> EngineRequest:
+        """Make a request with this scheduler's block hasher and EOS, and add it."""
+        request = EngineRequest(request_id, list(prompt_token_ids), sampling_params,
+                                eos_token_id=self.eos_token_id, block_hasher=self.block_hasher)
+        self.add_request(request)
+        return request
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request at the back of the waiting queue."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt of {request.num_tokens} "
+                             f"tokens leaves no room to generate (max_model_len "
+                             f"{self.max_model_len})")
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += request.num_prompt_tokens
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests from outside (an abort): dequeue and free them."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # -- one step ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and tokens; allocate their KV blocks."""
+        manager = self.kv_cache_manager
+        scheduled_new: list[EngineRequest] = []
+        scheduled_resumed: list[EngineRequest] = []
+        scheduled_running: list[EngineRequest] = []
+        preempted: list[EngineRequest] = []
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+        prefix_hit_tokens: dict[str, int] = {}
+        token_budget = self.max_num_scheduled_tokens
+        manager.new_step_starts()
+
+        # 1. RUNNING requests first, in the order they were admitted.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                num_new_tokens = self.long_prefill_token_threshold
+            num_new_tokens = min(num_new_tokens, token_budget,
+                                 self.max_model_len - 1 - request.num_computed_tokens)
+            if num_new_tokens <= 0:
+                # Nothing to do for it now; later requests may still run (not strict FCFS).
+                req_index += 1
+                continue
+
+            while True:
+                new_blocks = manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                # Out of blocks: recompute-preempt the newest running request.
+                victim = self.running.pop()
+                self._preempt_request(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break                         # it preempted itself: nothing left to free
+            if new_blocks is None:
+                break
+
+            scheduled_running.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+            if request.spec_token_ids:
+                # The drafts that fit after the real tokens (the budget may cut them).
+                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                if num_spec > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = \
+                        request.spec_token_ids[:num_spec]
+                request.spec_token_ids = []       # the runner proposes fresh ones
+
+        # 2. WAITING requests, unless this step had to preempt (the pool is tight).
+        if not preempted:
+            while self.waiting and token_budget > 0:
+                if len(self.running) == self.max_num_running_reqs:
+                    break
+                request = self.waiting[0]
+
+                if request.num_computed_tokens == 0:
+                    new_computed_blocks, num_new_local_computed_tokens = \
+                        manager.get_computed_blocks(request)
+                else:
+                    new_computed_blocks = manager.empty_kv_cache_blocks
+                    num_new_local_computed_tokens = 0
+                num_computed_tokens = request.num_computed_tokens + num_new_local_computed_tokens
+
+                # num_tokens, not the prompt: a resumed request recomputes its outputs too.
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                    num_new_tokens = self.long_prefill_token_threshold
+                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                    break
+                num_new_tokens = min(num_new_tokens, token_budget)
+
+                new_blocks = manager.allocate_slots(
+                    request, num_new_tokens,
+                    num_new_computed_tokens=num_new_local_computed_tokens,
+                    new_computed_blocks=new_computed_blocks,
+                    has_scheduled_reqs=bool(self.running))
+                if new_blocks is None:
+                    break                         # no room: it stays first in line
+
+                self.waiting.popleft()
+                self.running.append(request)
+                if request.status == RequestStatus.WAITING:
+                    scheduled_new.append(request)
+                elif request.status == RequestStatus.PREEMPTED:
+                    scheduled_resumed.append(request)
+                else:
+                    raise RuntimeError(f"invalid status {request.status.name} in the "
+                                       f"waiting queue for {request.request_id!r}")
+                req_to_new_blocks[request.request_id] = manager.get_blocks(request.request_id)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed_tokens
+                prefix_hit_tokens[request.request_id] = num_new_local_computed_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+                self._count_prompt_tokens_cached(request, num_new_local_computed_tokens)
+
+        total = sum(num_scheduled_tokens.values())
+        assert total <= self.max_num_scheduled_tokens and token_budget >= 0
+        assert len(self.running) <= self.max_num_running_reqs
+
+        num_common_prefix_blocks = [0] * manager.num_kv_cache_groups
+        if self.running:
+            num_common_prefix_blocks = manager.get_num_common_prefix_blocks(
+                self.running[0].request_id)
+
+        new_reqs_data = [
+            NewRequestData(req.request_id, list(req.prompt_token_ids), req.sampling_params,
+                           req_to_new_blocks[req.request_id].get_block_ids(),
+                           req.num_computed_tokens)
+            for req in scheduled_new]
+        cached_reqs_data = self._make_cached_request_data(
+            scheduled_running, scheduled_resumed, req_to_new_blocks)
+        self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            preempted_req_ids={req.request_id for req in preempted},
+            finished_req_ids=self.finished_req_ids)
+        self._record_step(output, scheduled_new, scheduled_resumed, preempted,
+                          prefix_hit_tokens)
+        self._update_after_schedule(output)
+        return output
+
+    def _preempt_request(self, request: EngineRequest) -> None:
+        """Recompute-preemption: drop the KV, start over from the waiting queue's front.
+
+        The caller has already taken it off ``running``. Its tokens (prompt and
+        outputs so far) stay; its blocks go back to the pool, where the full
+        ones stay cached, so the resumed request often hits its own prefix.
+        """
+        assert request.status == RequestStatus.RUNNING, "only running requests are preempted"
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        # Advance now, before the model runs: a cut prefill can be scheduled again next step.
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            self._count_prompt_tokens_computed(request, n)
+            request.num_computed_tokens += n
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+        self.stats.total_tokens_scheduled += output.total_num_scheduled_tokens
+        self.stats.num_steps += 1
+        # A fresh set: the output just built keeps the old one.
+        self.finished_req_ids = set()
+
+    def _make_cached_request_data(self, running: list[EngineRequest],
+                                  resumed: list[EngineRequest],
+                                  req_to_new_blocks: dict[str, KVCacheBlocks]
+                                  ) -> CachedRequestData:
+        data = CachedRequestData()
+        resumed_ids = {req.request_id for req in resumed}
+        for req in running + resumed:
+            data.req_ids.append(req.request_id)
+            if req.request_id in resumed_ids:
+                data.resumed_req_ids.add(req.request_id)
+            if req.request_id not in self.prev_step_scheduled_req_ids:
+                data.all_token_ids[req.request_id] = list(req.all_token_ids)
+            data.new_block_ids.append(
+                req_to_new_blocks[req.request_id].get_block_ids(allow_none=True))
+            data.num_computed_tokens.append(req.num_computed_tokens)
+        return data
+
+    # -- after the model ran ---------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineRequest]:
+        """Append the sampled tokens, stop what is done, free it; return the finished."""
+        finished: list[EngineRequest] = []
+        record = self.step_records[-1] if self.step_records else None
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            assert n > 0
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue                          # aborted while the model ran
+            index = model_runner_output.req_id_to_index[req_id]
+            new_token_ids = model_runner_output.sampled_token_ids[index]
+            if not new_token_ids:
+                continue                          # a cut prefill samples nothing
+            draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if draft:
+                # All but the last sampled token are accepted drafts; the slots of
+                # the rejected ones count as not computed (they get overwritten).
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(draft) - num_accepted
+                self.stats.num_draft_tokens += len(draft)
+                self.stats.num_accepted_tokens += num_accepted
+            for token in new_token_ids:
+                request.append_output_token_ids(token)
+                if record is not None:
+                    record.sampled.setdefault(req_id, []).append(token)
+                if check_stop(request, self.max_model_len):
+                    finished.append(request)
+                    break
+        for request in finished:
+            self.running.remove(request)
+            self._free_request(request)
+            if record is not None:
+                record.finished.append(request.request_id)
+        return finished
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Store each request's draft for the next step (vLLM drops drafts of prefill chunks)."""
+        for req_id, draft in draft_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            request.spec_token_ids = [] if request.is_prefill_chunk else list(draft)
+
+    def _free_request(self, request: EngineRequest) -> None:
+        assert request.is_finished()
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        self.stats.num_finished += 1
+
+    # -- bookkeeping -------------------------------------------------------------
+
+    def _count_prompt_tokens_cached(self, request: EngineRequest, num_hit: int) -> None:
+        self.stats.prompt_tokens_cached += min(num_hit, request.num_prompt_tokens)
+
+    def _count_prompt_tokens_computed(self, request: EngineRequest, n: int) -> None:
+        start = request.num_computed_tokens
+        self.stats.prompt_tokens_computed += max(
+            0, min(start + n, request.num_prompt_tokens) - start)
+
+    def _record_step(self, output: SchedulerOutput, new: list[EngineRequest],
+                     resumed: list[EngineRequest], preempted: list[EngineRequest],
+                     prefix_hit_tokens: dict[str, int]) -> None:
+        self.step_records.append(StepRecord(
+            step=len(self.step_records),
+            num_scheduled_tokens=dict(output.num_scheduled_tokens),
+            admitted=[r.request_id for r in new],
+            resumed=[r.request_id for r in resumed],
+            preempted=[r.request_id for r in preempted],
+            prefix_hit_tokens=prefix_hit_tokens,
+            num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting)))

@@ -1,0 +1,166 @@
+"""The kvref command end to end, in a subprocess: exit codes, --help, every bad input."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUBCOMMANDS = ["demo", "viz", "record", "explain", "replay"]
+
+
+def kvref(*args, stdin: str = "", cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="80", TERM="dumb")
+    return subprocess.run([sys.executable, "-m", "kvref.cli", *map(str, args)],
+                          input=stdin, capture_output=True, text=True, env=env,
+                          cwd=cwd or ROOT, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("traces") / "pressure.json"
+    result = kvref("record", "--workload", "pressure", "--steps", "20", "-o", path)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {path}:" in result.stdout
+    return path
+
+
+def test_help_on_everything():
+    top = kvref("--help")
+    assert top.returncode == 0 and all(cmd in top.stdout for cmd in SUBCOMMANDS)
+    for cmd in SUBCOMMANDS:
+        result = kvref(cmd, "--help")
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: kvref {cmd}")
+
+
+def test_demo_without_animation_ends_with_the_summary():
+    result = kvref("demo", "--no-animate")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "kvref demo: prefix-caching" in out and "step 8/8" in out
+    assert "plays no role" in out                            # the fixed step-5 story
+    for figure in ("hit rate", "prompt tokens saved", "evicted", "preemptions"):
+        assert figure in out
+
+
+def test_demo_of_a_workload_for_a_few_steps():
+    result = kvref("demo", "--workload", "hybrid", "--steps", "3")    # not a terminal: plain
+    assert result.returncode == 0, result.stderr
+    assert "step 2/2" in result.stdout and "g1 window 8" in result.stdout
+
+
+def test_record_then_replay_has_no_divergence(recorded):
+    result = kvref("replay", recorded, "--check-invariants")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("1 traces, " + str(len(json.loads(
+        recorded.read_text())["ops"])) + " ops, 0 divergent traces")
+
+
+def test_replay_reports_a_divergence_with_exit_1(recorded, tmp_path):
+    trace = json.loads(recorded.read_text())
+    op = next(op for op in trace["ops"] if op["op"] == "usage" or "state" in op["expect"])
+    op["expect"]["state"] = {"nfree": -1, "free": [], "ref": [], "hashed": []}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(trace))
+    result = kvref("replay", bad)
+    assert result.returncode == 1 and "DIVERGENCE" in result.stdout
+
+
+def test_viz_steps_through_a_trace_with_typed_commands(recorded):
+    result = kvref("viz", recorded, stdin="n\nn\np\nj 5\nq\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    positions = [line.split(": step ")[1].split(",")[0] for line in out.splitlines()
+                 if ": step " in line and "/19" in line]
+    assert positions == ["0/19", "1/19", "2/19", "1/19", "5/19"]
+
+
+def test_viz_export_writes_an_svg_of_the_grid(recorded, tmp_path):
+    svg = tmp_path / "frame.svg"
+    result = kvref("viz", recorded, "--step", "6", "--export", svg)
+    assert result.returncode == 0, result.stderr
+    text = svg.read_text()
+    assert text.startswith("<svg") and "free queue" in text.replace("&#160;", " ")
+    assert "◉" in text and "evictable" in text
+
+
+def test_viz_export_html_of_a_workload(tmp_path):
+    html = tmp_path / "frame.html"
+    result = kvref("viz", "--workload", "prefix-caching", "--op", "30", "--export", html)
+    assert result.returncode == 0, result.stderr
+    assert "<html" in html.read_text().lower() and "kvref-prefix-caching" in html.read_text()
+    assert result.stdout.strip().endswith("op 30)")
+
+
+def test_explain_an_op(recorded):
+    trace = json.loads(recorded.read_text())
+    i = next(i for i, op in enumerate(trace["ops"]) if op["op"] == "allocate_slots"
+             and op["expect"].get("ret", 1) is None)
+    result = kvref("explain", recorded, "--op", i)
+    assert result.returncode == 0, result.stderr
+    assert "REFUSED by the capacity gate" in result.stdout
+
+
+def _bad_files(tmp_path, recorded):
+    missing = tmp_path / "missing.json"
+    truncated = tmp_path / "truncated.json.gz"
+    data = gzip.compress(recorded.read_bytes())
+    truncated.write_bytes(data[: len(data) // 2])
+    cut = tmp_path / "cut.json"
+    cut.write_text(recorded.read_text()[:500])
+    notjson = tmp_path / "notjson.json"
+    notjson.write_text("this is not json\n")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"format": "otherformat/3", "ops": []}))
+    bogus = tmp_path / "bogus.json"
+    trace = json.loads(recorded.read_text())
+    trace["ops"].insert(3, {"op": "bogus", "expect": {}})
+    bogus.write_text(json.dumps(trace))
+    return {"missing": (missing, "no such file"), "unknown op": (bogus, "unknown op 'bogus'"), "truncated gzip": (truncated, "cannot read"),
+            "truncated json": (cut, "not valid JSON"), "not json": (notjson, "not valid JSON"),
+            "wrong format": (wrong, "not a kvtrace/1 trace")}
+
+
+BAD_CASES = ["missing", "truncated gzip", "truncated json", "not json", "wrong format",
+             "unknown op"]
+
+
+@pytest.mark.parametrize("command", ["viz", "explain", "replay"])
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_trace_files_exit_2_with_one_line(tmp_path, recorded, command, case):
+    path, reason = _bad_files(tmp_path, recorded)[case]
+    args = [command, path] + (["--op", "5"] if command == "explain" else [])
+    result = kvref(*args)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and reason in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["demo", "--workload", "nope"], "unknown workload 'nope'"),
+    (["record", "--workload", "nope", "-o", "x.json"], "unknown workload 'nope'"),
+    (["viz", "--workload", "nope"], "unknown workload 'nope'"),
+    (["explain", "TRACE", "--op", "99999"], "op 99999 is out of range"),
+    (["explain", "TRACE", "--op", "-3"], "op -3 is out of range"),
+    (["explain", "TRACE", "--op", "x"], "invalid int value: 'x'"),
+    (["explain", "TRACE"], "the following arguments are required: --op"),
+    (["viz", "TRACE", "--op", "99999"], "no op 99999"),
+    (["viz", "TRACE", "--step", "500"], "no step 500"),
+    (["viz", "TRACE", "--export", "out.png"], "must end in .svg or .html"),
+    (["viz"], "give a TRACE file or --workload"),
+    (["viz", "TRACE", "--steps", "3"], "--steps applies to --workload only"),
+    (["demo", "--steps", "0"], "--steps must be at least 1"),
+    (["demo", "--pause", "-1"], "--pause must be >= 0"),
+    (["record", "--workload", "chat", "-o", "/nonexistent-dir/x.json"], "cannot write"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["replay", "/nonexistent-dir/"], "no such file"),
+])
+def test_bad_arguments_exit_2_with_one_line(recorded, args, reason):
+    result = kvref(*[recorded if a == "TRACE" else a for a in args])
+    assert result.returncode == 2, result.stdout
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert reason in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,249 @@
+"""The engine generates exactly what ``transformers`` generates, through kvref's blocks.
+
+Each workload batches 8+ prompts of different lengths that share prefixes, on a
+token budget that cuts prefills into chunks and a pool small enough to preempt
+running requests and evict cached blocks. After every step the manager's
+invariants hold; at the end every prompt's greedy tokens equal
+``model.generate(do_sample=False)`` run on that prompt alone, and the logits of
+every generated position are within 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvref import BlockRemoved
+from kvref.engine import LLM, SamplingParams
+
+from .hf_models import DEVICES, assert_matches_transformers, hybrid, llama, reference
+
+MAX_TOKENS = 8
+
+
+def shared_prefix_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """10 prompts of lengths 3..30; groups of them share 8- and 12-token prefixes."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+
+    system, other = rand(12), rand(8)
+    return [system + rand(5), system + rand(9), system[:8] + rand(3), rand(3),
+            other + rand(14), other + rand(1), system + rand(18), rand(11),
+            other + rand(6), system + rand(2)]
+
+
+class StepWatcher:
+    """An ``after_step`` hook: invariants, and what the pool did during the run."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.evicted_blocks = 0
+        self.block_owners: dict[int, set[str]] = {}
+        self.null_window_blocks = 0
+
+    def __call__(self, llm: LLM) -> None:
+        manager = llm.kv_cache_manager
+        manager.check_valid()
+        self.num_steps += 1
+        self.evicted_blocks += sum(len(e.block_hashes) for e in manager.take_events()
+                                   if isinstance(e, BlockRemoved))
+        window_groups = [g for g, group in enumerate(llm.kv_cache_config.kv_cache_groups)
+                         if type(group.kv_cache_spec).__name__ == "SlidingWindowSpec"]
+        for request in llm.scheduler.running:
+            blocks = manager.get_blocks(request.request_id).blocks
+            for group in blocks:
+                for block in group:
+                    if not block.is_null:
+                        self.block_owners.setdefault(block.block_id, set()).add(
+                            request.request_id)
+            for g in window_groups:
+                self.null_window_blocks += sum(b.is_null for b in blocks[g])
+
+    @property
+    def reused_blocks(self) -> int:
+        """Blocks that held KV of more than one request over the run."""
+        return sum(len(owners) > 1 for owners in self.block_owners.values())
+
+
+def make_llm(model, device: str, **kwargs) -> tuple[LLM, StepWatcher]:
+    options = dict(block_size=4, max_model_len=64, max_num_batched_tokens=24,
+                   keep_logits=True, enable_kv_cache_events=True, device=device)
+    options.update(kwargs)
+    llm = LLM(model, **options)
+    watcher = StepWatcher()
+    llm.after_step.append(watcher)
+    return llm, watcher
+
+
+LLAMA_SHAPES = {
+    "2-layers-gqa": dict(layers=2, heads=4, kv_heads=2, hidden_size=32, vocab_size=96),
+    "3-layers-mha-tied": dict(layers=3, heads=2, kv_heads=2, hidden_size=32, vocab_size=80,
+                              tie=True),
+    "1-layer-mqa-wide-heads-llama3-rope": dict(
+        layers=1, heads=4, kv_heads=1, hidden_size=32, head_dim=16, vocab_size=120,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=16)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", list(LLAMA_SHAPES))
+def test_llama_batch_with_prefix_hits_chunks_and_preemption_matches_transformers(
+        shape, device):
+    model = llama(**LLAMA_SHAPES[shape])
+    prompts = shared_prefix_prompts(model.config.vocab_size)
+    # 30 blocks of 4 tokens for 10 prompts of up to 38 tokens: requests must wait,
+    # get preempted, and cached blocks must be evicted to make room.
+    llm, watcher = make_llm(model, device, num_gpu_blocks=30)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert_matches_transformers(model, prompts, outputs, MAX_TOKENS)
+
+    stats = llm.stats
+    assert stats.prompt_tokens_cached > 0                   # shared prefixes were hits
+    assert stats.prompt_tokens_computed < sum(map(len, prompts)) + 16 * stats.num_preemptions
+    assert stats.num_preemptions > 0
+    assert watcher.evicted_blocks > 0 and watcher.reused_blocks > 0
+    # Some prefill was cut: a request was scheduled but sampled nothing that step.
+    assert any(rid not in record.sampled for record in llm.scheduler.step_records
+               for rid in record.num_scheduled_tokens)
+    assert max(len(r.num_scheduled_tokens) for r in llm.scheduler.step_records) >= 3
+    assert llm.kv_cache_manager.block_pool.get_num_free_blocks() == 29
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_sliding_window_hybrid_model_matches_transformers(arch, device):
+    model = hybrid(arch=arch, window=5)
+    prompts = shared_prefix_prompts(model.config.vocab_size, seed=1)
+    llm, watcher = make_llm(model, device, num_gpu_blocks=40)
+    groups = llm.kv_cache_config.kv_cache_groups
+    assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec",
+                                                                "SlidingWindowSpec"]
+    assert type(llm.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert_matches_transformers(model, prompts, outputs, MAX_TOKENS)
+    assert watcher.null_window_blocks > 0          # blocks left behind the window
+    assert llm.stats.prompt_tokens_cached > 0
+    assert llm.stats.num_preemptions > 0
+
+
+def test_the_window_matters_for_these_prompts():
+    """Guards the test above: without the window transformers answers differently."""
+    prompt = shared_prefix_prompts(96, seed=1)[6]
+    with_window, _ = reference(hybrid(window=5), prompt, MAX_TOKENS)
+    full_only, _ = reference(hybrid(window=5, layer_types=("full_attention",) * 3),
+                             prompt, MAX_TOKENS)
+    assert with_window != full_only
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_caching_computes_fewer_prompt_tokens_and_changes_nothing(device):
+    model = llama(seed=3)
+    prompts = shared_prefix_prompts(model.config.vocab_size, seed=3)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    runs = {}
+    for caching in (False, True):
+        llm, _ = make_llm(model, device, num_gpu_blocks=200, enable_prefix_caching=caching,
+                          max_num_batched_tokens=64)
+        runs[caching] = (llm.generate(prompts, params), llm.stats)
+    (plain, plain_stats), (cached, cached_stats) = runs[False], runs[True]
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in cached]
+    assert plain_stats.prompt_tokens_computed == sum(map(len, prompts))
+    assert plain_stats.prompt_tokens_cached == 0
+    assert cached_stats.prompt_tokens_cached > 0
+    assert (cached_stats.prompt_tokens_computed + cached_stats.prompt_tokens_cached
+            == sum(map(len, prompts)))
+    assert sum(o.num_cached_tokens for o in cached) == cached_stats.prompt_tokens_cached
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loads_a_local_checkpoint_folder(tmp_path, device):
+    model = hybrid(arch="qwen3", window=6, tie=False)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    prompts = shared_prefix_prompts(model.config.vocab_size, seed=4)[:4]
+    llm, _ = make_llm(str(tmp_path), device, num_gpu_blocks=64)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert_matches_transformers(model, prompts, outputs, 5)
+
+
+def test_a_pool_that_cannot_hold_one_full_request_is_refused():
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLM(llama(), block_size=4, max_model_len=64, num_gpu_blocks=10)
+
+
+def test_seeded_sampling_is_reproducible():
+    model = llama(seed=5)
+    prompt = [[1, 2, 3, 4, 5]]
+    outs = []
+    for seed in (7, 7, 8):
+        llm = LLM(model, block_size=4, max_model_len=64, num_gpu_blocks=40)
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
+        outs.append(llm.generate(prompt, params)[0].outputs[0].token_ids)
+    assert outs[0] == outs[1] != outs[2]
+
+
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
+             prompt_lookup_max=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_ngram_speculative_decoding_matches_transformers(kind, device):
+    # A 16-token vocabulary: tiny random models fall into loops that n-grams predict.
+    model = llama(seed=2, vocab_size=16) if kind == "llama" else hybrid(seed=2, vocab_size=16,
+                                                                          window=4)
+    prompts = shared_prefix_prompts(16, seed=2)
+    llm, watcher = make_llm(model, device, num_gpu_blocks=40, speculative_config=NGRAM)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert_matches_transformers(model, prompts, outputs, 16)
+    stats = llm.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_preemptions > 0
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@given(data=st.data(),
+       num_gpu_blocks=st.integers(17, 40),
+       budget=st.integers(4, 32),
+       use_window=st.booleans(),
+       speculate=st.booleans())
+def test_drawn_workloads_match_transformers(data, num_gpu_blocks, budget, use_window,
+                                            speculate):
+    model = HYPOTHESIS_MODELS[use_window]
+    vocab = model.config.vocab_size
+    prefixes = [[], [7, 1, 8, 2, 8, 1, 8, 2], [3] * 5 + [4] * 5]
+    llm, _ = make_llm(model, "cpu", num_gpu_blocks=num_gpu_blocks,
+                      max_num_batched_tokens=budget,
+                      speculative_config=NGRAM if speculate else None)
+    arrivals: dict[int, list[tuple[list[int], int]]] = {}
+    for _ in range(data.draw(st.integers(2, 8), label="num_requests")):
+        prefix = data.draw(st.sampled_from(prefixes), label="shared_prefix")
+        tail = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=16),
+                         label="tail")
+        max_tokens = data.draw(st.integers(1, 6), label="max_tokens")
+        step = data.draw(st.integers(0, 5), label="arrival_step")
+        arrivals.setdefault(step, []).append((prefix + tail, max_tokens))
+
+    requests = []
+    step = 0
+    while llm.scheduler.has_unfinished_requests() or any(s >= step for s in arrivals):
+        for prompt, max_tokens in arrivals.get(step, []):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            requests.append((llm.add_request(prompt, params), prompt, max_tokens))
+        if llm.scheduler.has_unfinished_requests():
+            llm.step()
+        step += 1
+        assert step < 500
+    assert llm.kv_cache_manager.block_pool.get_num_free_blocks() == num_gpu_blocks - 1
+    for request, prompt, max_tokens in requests:
+        assert request.output_token_ids == reference(model, prompt, max_tokens)[0][:max_tokens]
+
+
+HYPOTHESIS_MODELS = {False: llama(seed=11, layers=1, vocab_size=24),
+                     True: hybrid(seed=11, window=4, vocab_size=24)}

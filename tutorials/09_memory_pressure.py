@@ -1,0 +1,196 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 09: memory pressure: preemption, recompute, the watermark
+#
+# Requests grow one block at a time while they decode. When a running request
+# needs a block and the pool has none, vLLM's scheduler
+# (`vllm/v1/core/sched/scheduler.py`) **preempts** the newest running request:
+# it frees all its blocks, sets its `num_computed_tokens` to 0 and puts it at
+# the *front* of the waiting queue. Later it is admitted again and
+# **recomputes** its prompt and the tokens it had generated. Its full blocks
+# went back to the free queue still cached, so the re-admission usually hits
+# most of them (lesson 01): recomputing is cheaper than it sounds.
+#
+# Two rules limit how much the scheduler takes on: a step that had to preempt
+# admits nobody new, and the **watermark** keeps a share of the pool free when
+# admitting requests next to running ones, so that these can grow.
+#
+# This lesson runs a tiny random Llama through kvref's engine on a small pool
+# and draws the pool at every step.
+
+# %%
+import torch
+import transformers
+from rich.table import Table
+from rich.text import Text
+
+from kvref.engine import LLM, SamplingParams
+
+from _lesson import claim, finish, section, show, start
+
+args = start("Memory pressure: preemption, recompute, the watermark", uses_tensors=True)
+BLOCK_SIZE, MAX_TOKENS = 4, 12
+COLOURS = ["green", "cyan", "magenta", "yellow", "blue"]
+
+config = transformers.LlamaConfig(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    initializer_range=0.3, attn_implementation="eager",
+    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(config).eval()
+g = torch.Generator().manual_seed(2)
+prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (10, 9, 11, 8)]
+params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def pool_row(llm):
+    """The pool as one line: each block shows the request holding it (0-3), `○`
+    free but cached, `·` free and empty (the null block left out)."""
+    manager = llm.kv_cache_manager
+    owner = {b.block_id: rid for rid in llm.scheduler.requests
+             for b in manager.get_blocks(rid).blocks[0]}
+    row = Text()
+    for block in manager.block_pool.blocks[1:]:
+        if block.block_id in owner:
+            rid = owner[block.block_id]
+            row.append(rid, style=f"bold {COLOURS[int(rid) % len(COLOURS)]}")
+        else:
+            row.append("○" if block.block_hash is not None else "·", style="dim")
+    return row
+
+
+def run(num_gpu_blocks, watermark=0.0):
+    """Generate all prompts on a pool of ``num_gpu_blocks``; returns the outputs,
+    the engine and the pool drawn after every step's scheduling."""
+    llm = LLM(model, block_size=BLOCK_SIZE, num_gpu_blocks=num_gpu_blocks, max_model_len=32,
+              max_num_batched_tokens=16, watermark=watermark, device=args.device)
+    pictures = []
+    llm.after_step.append(lambda engine: pictures.append(pool_row(engine)))
+    return llm.generate(prompts, params), llm, pictures
+
+
+def preempted_the_newest(records):
+    """Replay the running list from the step records: each preempted request
+    must be the last one in it (vLLM's FCFS policy pops the newest)."""
+    running = []
+    for record in records:
+        for rid in record.preempted:
+            if running[-1] != rid:
+                return False
+            running.pop()
+        running += record.admitted + record.resumed
+        running = [rid for rid in running if rid not in record.finished]
+    return True
+
+
+def timeline(llm, pictures):
+    table = Table("step", "scheduled tokens", "what happened", "free after\nscheduling",
+                  "the pool after the step",
+                  box=None, header_style="bold")
+    for record, picture in zip(llm.scheduler.step_records, pictures):
+        happened = [f"admit {r}" for r in record.admitted] + \
+            [f"PREEMPT {r}" for r in record.preempted] + \
+            [f"resume {r} (hit {record.prefix_hit_tokens[r]})" for r in record.resumed] + \
+            [f"finish {r}" for r in record.finished]
+        table.add_row(str(record.step), str(record.num_scheduled_tokens), ", ".join(happened),
+                      str(record.num_free_blocks), picture)
+    return table
+
+
+# %% [markdown]
+# ## 1. Enough memory: the baseline
+#
+# Each request ends with 10 + 12 tokens at most: 6 blocks. A pool of 40 blocks
+# holds all four at once; nothing is preempted.
+
+# %%
+section("1. A pool of 40 blocks")
+baseline, llm_big, _ = run(40)
+claim(llm_big.stats.num_preemptions == 0, "with 40 blocks nobody is preempted")
+
+# %% [markdown]
+# ## 2. Too little memory: preemption and recompute
+#
+# 15 usable blocks for requests that will want up to 23. Read the timeline from
+# the top: all four are admitted (their prompts fit; the step's 16-token budget
+# cuts request 3's prompt), then they decode and grow; when a request crosses a
+# block boundary and no block is free, the newest running request is preempted
+# (its blocks turn `○`: free, still cached). It waits at the front of the
+# queue; when there is room again it is resumed, and its prefix hit shows how
+# much of its recompute the cache saved: whatever of its blocks nobody evicted
+# in the meantime.
+
+# %%
+section("2. A pool of 16 blocks")
+small, llm_small, pictures = run(16)
+show(timeline(llm_small, pictures))
+records = llm_small.scheduler.step_records
+preempt_steps = [r for r in records if r.preempted]
+resumes = [(r, rid) for r in records for rid in r.resumed]
+claim(llm_small.stats.num_preemptions > 0 and len(resumes) == llm_small.stats.num_preemptions,
+      "requests were preempted, and each preemption was followed by a resume")
+claim(preempted_the_newest(records),
+      "the request preempted is always the newest one running (the last admitted or resumed)")
+claim(all(not r.admitted for r in preempt_steps),
+      "a step that preempted admits no new request")
+hits = {rid: r.prefix_hit_tokens[rid] for r, rid in resumes}
+show(f"prefix hits on resume: {hits}")
+claim(hits == {"2": 16, "3": 0},
+      "request 2 resumed with 16 of its tokens still cached; 3's blocks had all been "
+      "evicted by then, so it recomputed everything")
+claim([o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in baseline],
+      "every request generates the same tokens as with the big pool")
+extra = llm_small.stats.prompt_tokens_computed - llm_big.stats.prompt_tokens_computed
+show(f"prompt tokens computed: {llm_big.stats.prompt_tokens_computed} with 40 blocks, "
+     f"{llm_small.stats.prompt_tokens_computed} with 16 (+{extra} recomputed), "
+     f"{llm_small.stats.prompt_tokens_cached} served by the cache on re-admission; "
+     f"steps {llm_big.stats.num_steps} vs {llm_small.stats.num_steps}")
+
+# %% [markdown]
+# ## 3. The watermark
+#
+# `watermark=0.4` (the scheduler config's `watermark`, passed on to
+# `KVCacheManager`; 0.0, off, by default; a pool of 16 blocks needs a coarse
+# one) keeps `int(0.4 * 16) = 6` blocks back
+# when a request is admitted next to running ones: the admission must leave at
+# least 6 blocks free. An idle engine still admits (nothing is running that
+# needs room), and running requests may use those blocks as they grow.
+#
+# Request 3 now waits at step 1 (admitting it would leave 5 free). The pool is
+# tighter for fewer requests at a time: fewer preemptions, more steps.
+
+# %%
+section("3. The same pool with watermark 0.4")
+marked, llm_marked, pictures = run(16, watermark=0.4)
+show(timeline(llm_marked, pictures))
+watermark_blocks = llm_marked.kv_cache_manager.watermark_blocks
+beside_running = [r for r in llm_marked.scheduler.step_records
+                  if (r.admitted or r.resumed)
+                  and len(r.num_scheduled_tokens) > len(r.admitted) + len(r.resumed)]
+admitted_at = {rid: r.step for r in llm_marked.scheduler.step_records for rid in r.admitted}
+show(f"watermark_blocks = {watermark_blocks}; preemptions: {llm_small.stats.num_preemptions} "
+     f"without the watermark, {llm_marked.stats.num_preemptions} with it; steps "
+     f"{llm_small.stats.num_steps} vs {llm_marked.stats.num_steps}")
+claim(watermark_blocks == 6, "watermark_blocks = int(0.4 * 16) = 6")
+claim(len(beside_running) > 0 and all(r.num_free_blocks >= watermark_blocks
+                                      for r in beside_running),
+      "every admission next to running requests left at least 6 blocks free")
+claim(admitted_at["3"] > 1, f"request 3, admitted at step 1 before, waits until step "
+      f"{admitted_at['3']}")
+claim(llm_marked.stats.num_preemptions < llm_small.stats.num_preemptions,
+      "in this run, holding 6 blocks back means fewer preemptions")
+claim([o.outputs[0].token_ids for o in marked] == [o.outputs[0].token_ids for o in baseline],
+      "and the tokens are still the same")
+
+# %%
+finish()

@@ -1,0 +1,393 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 10: speculative decoding, and a real defect of vLLM 0.25.1
+#
+# With speculative decoding a cheap proposer guesses `k` **draft** tokens and
+# the target model checks them all in one step. For the KV cache that means
+# three things, all in `KVCacheManager.allocate_slots` and the scheduler
+# (section 2b watches the second on a real model):
+#
+# 1. **lookahead slots**: EAGLE/MTP drafters write the keys of their next
+#    drafts, so the scheduler asks for `num_lookahead_tokens` extra slots;
+# 2. **rejected tokens**: the step computes every draft; the scheduler then
+#    takes the rejected ones back (`num_computed_tokens -= num_rejected`) and
+#    their slots are simply written over later;
+# 3. **the EAGLE last-block drop**: a prefix hit gives up its last block, so
+#    that the target recomputes it and the EAGLE head gets the hidden states
+#    it drafts from.
+#
+# Then section 4: with a full-attention + Mamba model the drop goes wrong in
+# vLLM 0.25.1, and kvref, which answers as vLLM does, goes wrong the same way.
+# The lesson follows it into the tensors.
+
+# %%
+import torch
+import transformers
+from rich.table import Table
+
+from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
+                   MambaManager, MambaSpec, Request, RequestStatus, get_request_block_hasher,
+                   init_none_hash, sha256)
+from kvref.attention import default_scale, make_kv_cache, paged_attention, write_kv
+from kvref.engine import LLM, SamplingParams
+from kvref.verify.invariants import InvariantViolation, check, check_prefix_hit
+from kvref.viz import render_pool
+from kvref.worker import BlockTable
+
+from _lesson import claim, finish, section, show, start
+
+args = start("Speculative decoding", uses_tensors=True)
+device = torch.device(args.device)
+init_none_hash(sha256)
+B = 4                       # block size of every group
+
+
+def make_manager(specs, num_blocks, use_eagle):
+    config = KVCacheConfig(num_blocks, [KVCacheGroupSpec([f"layer.{i}"], s)
+                                        for i, s in enumerate(specs)])
+    return KVCacheManager(config, max_model_len=64, scheduler_block_size=B, hash_block_size=B,
+                          enable_caching=True, use_eagle=use_eagle)
+
+
+def request(rid, tokens):
+    return Request(rid, list(tokens), block_hasher=get_request_block_hasher(B, sha256))
+
+
+def hashed(manager, rid, group=0):
+    """Per block of the request's table in ``group``: does it carry a hash?"""
+    return [b.block_hash is not None for b in manager.get_blocks(rid).blocks[group]]
+
+
+torch.manual_seed(0)
+# One full-attention layer of the hybrid model in section 4, all NaN to start.
+kv_cache = make_kv_cache(21, B, 1, 8, device=device, fill=float("nan"))
+emb = {name: torch.randn(128, 1, 8, device=device) for name in ("q", "k", "v")}
+pos = {name: torch.randn(64, 1, 8, device=device) for name in ("q", "k", "v")}
+
+
+def qkv(tokens, positions):
+    t, p = torch.tensor(tokens, device=device), torch.tensor(positions, device=device)
+    return [emb[n][t] + pos[n][p] for n in ("q", "k", "v")]
+
+
+def run_step(block_ids, tokens, start, seq_len):
+    """Write the keys and values of positions ``start..seq_len-1`` through the
+    request's table, then attend from them: ``[n, 1, 8]``."""
+    bt = BlockTable(B, max_num_reqs=1, max_num_blocks_per_req=16, max_num_batched_tokens=32,
+                    device=device)
+    bt.add_row(block_ids, 0)
+    positions = list(range(start, seq_len))
+    slots = bt.compute_slot_mapping(1, torch.tensor([0, len(positions)]),
+                                    torch.tensor(positions))
+    q, k, v = qkv(tokens[start:seq_len], positions)
+    write_kv(kv_cache, k, v, slots)
+    return paged_attention(q, kv_cache, query_start_loc=[0, len(positions)], seq_lens=[seq_len],
+                           block_table=bt.get_device_tensor(1), scale=default_scale(8))
+
+
+def dense(tokens, start, seq_len):
+    """The same queries over keys computed from scratch, no cache at all."""
+    q, k, v = qkv(tokens[:seq_len], list(range(seq_len)))
+    scores = torch.einsum("qhd,khd->hqk", q[start:], k) * default_scale(8)
+    causal = torch.arange(seq_len, device=device)[None, :] <= \
+        torch.arange(start, seq_len, device=device)[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+
+
+# %% [markdown]
+# ## 1. Lookahead slots
+#
+# A request with a 6-token prompt and 3 lookahead slots needs room for 9
+# tokens: 3 blocks. Only the 4 tokens of the one full prompt block are cached;
+# the lookahead slots will hold drafts that may be rejected, so they never are.
+
+# %%
+section("1. Lookahead slots")
+manager = make_manager([FullAttentionSpec(B)], 16, use_eagle=True)
+r = request("r", range(6))
+manager.allocate_slots(r, 6, num_lookahead_tokens=3)
+claim(len(manager.get_block_ids("r")[0]) == 3 and hashed(manager, "r") == [True, False, False],
+      "6 prompt tokens + 3 lookahead slots take 3 blocks; only the full prompt block is cached")
+
+# %% [markdown]
+# ## 2. Rejected tokens keep their slots
+#
+# Next step: the request has sampled token 6 and carries 3 drafts. The step
+# computes 1 + 3 = 4 tokens (positions 6..9) and again keeps 3 lookahead slots:
+# room for 13 tokens, 4 blocks. The target accepts 1 draft and rejects 2; it
+# appends the accepted draft and one token of its own (9 tokens now), and the
+# scheduler sets `num_computed_tokens` back from 10 to 8. The table keeps its 4
+# blocks: the rejected keys at positions 8 and 9 are overwritten next step.
+# Caching never went past the verified tokens.
+
+# %%
+section("2. Rejected drafts")
+r.status = RequestStatus.RUNNING
+r.num_computed_tokens = 6
+r.append_output_token_ids(6)
+manager.allocate_slots(r, 1 + 3, num_lookahead_tokens=3)
+r.num_computed_tokens += 1 + 3                     # the step ran all four
+num_rejected = 2
+r.num_computed_tokens -= num_rejected              # vLLM's Scheduler.update_from_output
+r.append_output_token_ids([7, 42])                 # the accepted draft, the target's own token
+show(f"num_tokens {r.num_tokens}, num_computed_tokens {r.num_computed_tokens}, "
+     f"table {manager.get_block_ids('r')[0]}")
+claim(r.num_computed_tokens == r.num_tokens - 1 == 8,
+      "after the rollback the request is one token short, as after any decode step")
+claim(len(manager.get_block_ids("r")[0]) == 4
+      and hashed(manager, "r") == [True, False, False, False],
+      "the 4 blocks stay; still only block 0 is cached (drafts are never hashed)")
+
+# %% [markdown]
+# ### With a real model: n-gram drafts through the engine
+#
+# kvref's engine implements vLLM's n-gram proposer
+# (`vllm/v1/spec_decode/ngram_proposer.py`): the drafts are the tokens that
+# followed an earlier occurrence of the sequence's final 2 or 3 tokens.
+# A tiny random Llama decodes 40 tokens for two prompts, with up to 3 drafts a
+# step and without any. Random weights make poor guesses, so most drafts are
+# rejected; the tokens must not change either way. A hook checks, after every
+# step, that each running request was rolled back to exactly one token short
+# of its sequence, whatever was rejected.
+
+# %%
+section("2b. n-gram speculative decoding with a real model")
+hf_config = transformers.LlamaConfig(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    initializer_range=0.3, attn_implementation="eager",
+    bos_token_id=None, eos_token_id=None, pad_token_id=None)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(hf_config).eval()
+gen = torch.Generator().manual_seed(2)
+prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (10, 9)]
+params = SamplingParams(max_tokens=40, ignore_eos=True)
+plain = LLM(model, block_size=B, num_gpu_blocks=64, max_model_len=64, device=args.device)
+speculative = LLM(model, block_size=B, num_gpu_blocks=64, max_model_len=64, device=args.device,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+rolled_back = []
+speculative.after_step.append(lambda engine: rolled_back.append(all(
+    r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running)))
+expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+got = [o.outputs[0].token_ids for o in speculative.generate(prompts, params)]
+stats = speculative.stats
+show(f"drafts proposed {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens}, "
+     f"rejected {stats.num_draft_tokens - stats.num_accepted_tokens}")
+claim(got == expected, "with n-gram drafts the engine generates exactly the same 80 tokens")
+claim(stats.num_draft_tokens > stats.num_accepted_tokens > 0,
+      "some drafts were accepted, more were rejected")
+claim(len(rolled_back) == stats.num_steps and all(rolled_back),
+      "after every step each running request is one token short: rejected drafts rolled back")
+
+# %% [markdown]
+# ## 3. The EAGLE last-block drop
+#
+# Two identical pools, each holding a finished 12-token request (3 cached
+# blocks). A 16-token request sharing those 12 tokens looks for a hit. Without
+# EAGLE it gets all 3 blocks; with EAGLE (`use_eagle=True`) the full-attention
+# manager finds 3 and drops the last one: the target recomputes tokens 8..11
+# and the EAGLE head gets their hidden states.
+
+# %%
+section("3. Hit length with and without EAGLE")
+hits = {}
+for use_eagle in (False, True):
+    m = make_manager([FullAttentionSpec(B)], 16, use_eagle=use_eagle)
+    done = request("done", range(12))
+    m.allocate_slots(done, 12)
+    m.free(done)
+    hits[use_eagle] = m.get_computed_blocks(request("probe", list(range(12)) + [90] * 4))[1]
+show(f"hit without EAGLE {hits[False]} tokens, with EAGLE {hits[True]} tokens")
+claim(hits == {False: 12, True: 8}, "EAGLE gives up the last hit block: 12 -> 8 tokens")
+
+# %% [markdown]
+# ## 4. Full attention + Mamba + EAGLE: a hit one block too long
+#
+# The exception written up under INV-HIT-2 in `specs/coordinator.md` (the
+# recorded trace `tests/conformance/traces/hybrid_full_mamba/
+# hybrid_full_mamba-public-00005`, op 8, shows it in vLLM itself): a model with
+# full-attention and Mamba layers, served with EAGLE or MTP and prefix caching.
+# No KV cache group is marked `is_eagle_group` (the usual case: the project's
+# defect notes find only DeepSeek-V4 marking one), and then vLLM's coordinator
+# falls back to applying the drop to **every** group. Each EAGLE group
+# searches one block further than the candidate length and drops one block.
+# Full attention does; `MambaManager.find_longest_cache_hit`
+# receives `drop_eagle_block` and never reads it. So Mamba returns the state one
+# block *past* full attention, the fixed point accepts that length, and the
+# final trim of the full-attention list can only shorten it.
+#
+# Request `a` (10 tokens) runs and finishes. Request `b` shares its first 8.
+
+# %%
+section("4a. b's lookup")
+FULL, MAMBA = FullAttentionSpec(B, num_kv_heads=1, head_size=8, dtype="float32"), \
+    MambaSpec(B, mamba_cache_mode="all", num_speculative_blocks=2)
+manager = make_manager([FULL, MAMBA], 21, use_eagle=True)
+pool = manager.block_pool
+
+a = request("a", range(10))
+manager.new_step_starts()
+manager.allocate_slots(a, 10, num_lookahead_tokens=2)
+a_table, a_mamba = manager.get_block_ids("a")
+out_a = run_step(a_table, a.all_token_ids, 0, 10)      # a's step: keys of positions 0..9
+a.num_computed_tokens = 10
+manager.free(a)                                   # a finished; its blocks stay cached
+
+b = request("b", list(range(8)) + [50, 51])
+manager.new_step_starts()
+hit, num_hit = manager.get_computed_blocks(b)
+table = Table("group", "hit blocks", "tokens they cover", "hit length")
+for g, (spec, blocks) in enumerate(zip((FULL, MAMBA), hit.get_block_ids())):
+    table.add_row(type(spec).__name__, str(blocks), str(len(blocks) * spec.block_size),
+                  str(num_hit))
+show(table)
+
+
+def hit_violation(req, hit, num_hit):
+    """Ask kvref's checker about one lookup (INV-HIT-1, INV-HIT-2 of
+    specs/coordinator.md); the InvariantViolation it raises, or None."""
+    try:
+        check_prefix_hit(manager, req, hit, num_hit)
+    except InvariantViolation as violation:
+        return violation
+    return None
+
+
+claim(num_hit == 8 and hit.get_block_ids() == ([a_table[0]], [0, a_mamba[1]]),
+      "b's hit is 8 tokens: Mamba returns a's state at 8, full attention only block 0 (4 tokens)")
+violation = hit_violation(b, hit, num_hit)
+show(f"check_prefix_hit(manager, b, hit, {num_hit}) -> {violation}")
+claim(violation is not None and violation.invariant == "INV-HIT-2" and "group 0" in str(violation),
+      "the checker flags INV-HIT-2 on group 0: its hit blocks cover 4 of the 8 hit tokens")
+
+# %% [markdown]
+# **The search a later vLLM does.** vLLM's main branch changed the coordinator:
+# the EAGLE margin (search one block further, then drop) is given only to
+# groups that are not Mamba ("no margin for mamba: its finder never drops"), so
+# Mamba's search stops at the attention candidate. Asked that way, kvref's
+# own Mamba finder agrees with full attention. (Upstream pull requests such as
+# #48375 and #57128 propose that the Mamba finder honour the drop instead.)
+
+# %%
+mamba_hit = MambaManager.find_longest_cache_hit(
+    b.block_hashes, 4, [1], pool, MAMBA, True, B)   # capped at full attention's 4 tokens
+claim(len(mamba_hit[0]) * B == 4,
+      "capped at full attention's candidate (4), the Mamba search returns 4 tokens: they agree")
+
+# %% [markdown]
+# ## 4b. The allocation hands out a block nobody computes
+#
+# `allocate_slots(b, 2, num_new_computed_tokens=8, ...)` believes tokens 0..7
+# are in the cache. Full attention's table gets the hit block, then **a fresh
+# block for positions 4..7**, then one for the 2 new tokens. The model computes
+# only positions 8 and 9. Worse, the same call caches the table up to the
+# request's tokens, so the fresh, never-written block gets the hash of tokens
+# 4..7, the same key as `a`'s real block 1.
+#
+# After the allocation, kvref's snapshot checker (`kvref.verify.invariants.check`)
+# stays silent: every structural invariant holds. Only the lookup itself broke a
+# rule (`check_prefix_hit` above); what is wrong now is a block's *contents*
+# (INV-CONTENT-1), which only the tensors show.
+
+# %%
+section("4b. b's allocation")
+manager.allocate_slots(b, 2, num_hit, hit, num_lookahead_tokens=2)
+b_table = manager.get_block_ids("b")[0]
+fresh = b_table[1]
+a1_hash = pool.blocks[a_table[1]].block_hash
+show(render_pool(manager))
+claim(fresh not in a_table and pool.blocks[fresh].block_hash == pool.blocks[a_table[1]].block_hash,
+      "b's full-attention block 1 is a fresh block, cached under the hash of a's block 1")
+try:
+    check(manager)
+    violation = None
+except InvariantViolation as e:
+    violation = e
+claim(violation is None,
+      "check(manager) passes: the pool, the queue, the index and the tables are consistent")
+
+# %% [markdown]
+# ## 4c. In the tensors: NaN reaches the attention output
+#
+# One full-attention layer, its KV cache filled with NaN (lesson 04). Each
+# token's query, key and value come from fixed random tables indexed by token
+# and position (`qkv` in the first cell), so a request that recomputes a prefix
+# writes the same keys. `a` wrote positions 0..9 when it ran; `b` writes only
+# what it computes, 8 and 9, and attends over 10 positions through its table.
+
+# %%
+section("4c. Attention over b's table")
+out_b = run_step(b_table, b.all_token_ids, 8, 10)
+show(f"b's table {b_table}; block {fresh} holds NaN in every slot: "
+     f"{bool(torch.isnan(kv_cache[fresh]).all())}")
+claim(torch.allclose(out_a, dense(a.all_token_ids, 0, 10), atol=1e-5),
+      "a's attention equals attention computed from scratch")
+claim(bool(torch.isnan(kv_cache[fresh]).all()) and bool(torch.isnan(out_b).all()),
+      "b's fresh block was never written, and b's attention output is all NaN")
+claim(not bool(torch.isnan(dense(b.all_token_ids, 8, 10)).any()),
+      "computed from scratch, b's output would be finite")
+
+# %% [markdown]
+# On a GPU the unwritten block holds whatever was there before (zeros, or the
+# keys of a long-gone request): no NaN, just wrong answers, silently.
+#
+# ## 4d. Caching spreads it
+#
+# `b` decodes two tokens, so its block 2 fills and is cached. `a` is long gone:
+# a burst of other requests takes the whole pool and evicts `a`'s free cached
+# blocks. Now the only block under the key "tokens 4..7 after tokens 0..3" is
+# `b`'s unwritten one. Request `c` continues `b`'s conversation (its 12 tokens
+# and 3 more): its hit includes that block, and is once more a block longer
+# than its full-attention blocks.
+
+# %%
+section("4d. A later request hits the unwritten block")
+b.status = RequestStatus.RUNNING
+b.num_computed_tokens = 10
+for token in (60, 61):
+    manager.new_step_starts()
+    b.append_output_token_ids(token)
+    manager.allocate_slots(b, 1, num_lookahead_tokens=2)
+    b_table = manager.get_block_ids("b")[0]
+    run_step(b_table, b.all_token_ids, b.num_computed_tokens, b.num_computed_tokens + 1)
+    b.num_computed_tokens += 1
+
+manager.new_step_starts()
+others = []
+while True:                                      # other traffic, 4 tokens each, until full
+    other = request(f"other{len(others)}", [1000 + 4 * len(others) + j for j in range(4)])
+    if manager.allocate_slots(other, 4) is None:
+        break
+    others.append(other)
+evicted_a1 = pool.blocks[a_table[1]].block_hash != a1_hash
+for other in others:
+    manager.free(other)
+
+manager.new_step_starts()
+c = request("c", list(b.all_token_ids) + [70, 71, 72])
+hit_c, num_hit_c = manager.get_computed_blocks(c)
+manager.allocate_slots(c, c.num_tokens - num_hit_c, num_hit_c, hit_c, num_lookahead_tokens=2)
+c_table = manager.get_block_ids("c")[0]
+out_c = run_step(c_table, c.all_token_ids, num_hit_c, c.num_tokens)
+show(f"c's hit: {hit_c.get_block_ids()}, {num_hit_c} tokens; c's table {c_table}")
+claim(evicted_a1 and fresh in hit_c.get_block_ids()[0],
+      f"a's block 1 was evicted; c's full-attention hit contains b's unwritten block {fresh}")
+violation_c = hit_violation(c, hit_c, num_hit_c)
+claim(violation_c is not None and violation_c.invariant == "INV-HIT-2",
+      "the checker flags c's hit too: 12 hit tokens, full-attention blocks for 8")
+claim(bool(torch.isnan(out_c).all())
+      and not bool(torch.isnan(dense(c.all_token_ids, 12, 15)).any()),
+      "c's attention output is NaN, where computing from scratch gives finite values")
+
+# %%
+finish()
