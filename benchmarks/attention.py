@@ -129,8 +129,10 @@ def run_all(device_list, repeats: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
+    import torch
     lines = [f"Heads {NUM_HEADS} (KV heads {NUM_KV_HEADS}), head size {HEAD_SIZE}, block size "
-             f"{BLOCK_SIZE}, float32, median of runs.", "",
+             f"{BLOCK_SIZE}, float32, median of runs, {torch.get_num_threads()} CPU threads.",
+             "",
              "| case | device | kvref paged ms | SDPA dense ms | paged / SDPA | max abs diff |",
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -150,7 +152,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", action="append", help="cpu, cuda (default: all present)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     print(table(run_all(args.device or devices(), args.repeats)))
 
 

@@ -94,8 +94,9 @@ def devices() -> list[str]:
 
 
 def table(rows: list[dict]) -> str:
+    import torch
     lines = [f"Random Llama ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} KV "
-             f"heads, vocab {VOCAB}), greedy.", "",
+             f"heads, vocab {VOCAB}), greedy, {torch.get_num_threads()} CPU threads.", "",
              "| device | prompts x new tokens | kvref engine tok/s | transformers one by one "
              "tok/s | speed-up | same tokens |",
              "|---|---|---:|---:|---:|---:|"]
@@ -120,7 +121,12 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--device", action="append", help="cpu, cuda (default: all present)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     print(table([run(args.prompts, args.max_tokens, d) for d in args.device or devices()]))
 
 

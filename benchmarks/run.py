@@ -176,6 +176,23 @@ def traces_table(result: dict, with_vllm: bool) -> str:
     return "\n".join(lines)
 
 
+def ops_table(cls: str, by_side: dict) -> str:
+    """Per op name: calls, CPU µs per call per side, and the share of kvref's time."""
+    kvref = by_side["kvref"]
+    total = sum(t for _, t in kvref.values())
+    lines = [f"{cls}: kvref {total * 1e3:.1f} ms"
+             + "".join(f", {s} {sum(t for _, t in d.values()) * 1e3:.1f} ms"
+                       for s, d in by_side.items() if s != "kvref")]
+    for op, (n, t) in sorted(kvref.items(), key=lambda kv: -kv[1][1]):
+        row = f"  {op:34s} {n:6d} calls  {t / n * 1e6:7.2f} µs ({t / total:4.0%})"
+        for side, data in by_side.items():
+            if side != "kvref" and op in data:
+                row += f"  {side} {data[op][1] / data[op][0] * 1e6:7.2f} µs" \
+                       f"  ratio {t / data[op][1]:.2f}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
 # -- scaling -----------------------------------------------------------------------
 
 

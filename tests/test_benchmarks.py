@@ -57,3 +57,17 @@ def test_worker_answers_a_traces_request():
         capture_output=True, text=True, timeout=120, cwd=ROOT)
     hello, answer = map(json.loads, proc.stdout.splitlines())
     assert hello["ready"] and answer["ops"] > 0, proc.stderr
+
+
+def test_runner_runs_every_kvref_section_on_a_small_setting(tmp_path, capsys):
+    import run
+    out = tmp_path / "results.json"
+    assert run.main(["traces", "ops", "scaling", "--no-vllm", "--classes", "cross_attention",
+                     "--repeats", "1", "--passes", "1", "--sizes", "1000,2000",
+                     "--requests", "64", "--json", str(out), "--markdown",
+                     str(tmp_path / "tables.md"), "--plot", str(tmp_path / "plot.png")]) == 0
+    results = json.loads(out.read_text())
+    assert results["traces"]["calls"]["cross_attention"]["ops"] > 0
+    assert set(results["scaling"]["kvref"]) == {"1000", "2000"}
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert "cross_attention" in capsys.readouterr().out
