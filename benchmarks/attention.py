@@ -119,6 +119,13 @@ def run_case(name, num_reqs, context, query_len, device, repeats) -> dict:
             "paged_tokens_per_s": tokens / t_paged, "max_abs_diff": diff}
 
 
+def use_threads(n: int) -> None:
+    # One thread by default: on a small or shared machine torch's OpenMP threads
+    # wait milliseconds on each other per small op, which times the waiting.
+    import torch
+    torch.set_num_threads(n)
+
+
 def devices() -> list[str]:
     import torch
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -141,9 +148,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_for_report(repeats: int = 5) -> tuple[str, list[dict]]:
+def run_for_report(repeats: int = 5, threads: int = 1) -> tuple[str, list[dict]]:
     """``(Markdown table, rows)``; ImportError when torch or kvref.attention is missing."""
     import kvref.attention  # noqa: F401  (ImportError: the tensor side is not installed)
+    use_threads(threads)
     rows = run_all(devices(), repeats)
     return table(rows), rows
 
@@ -152,12 +160,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", action="append", help="cpu, cuda (default: all present)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads for both sides (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     print(table(run_all(args.device or devices(), args.repeats)))
 
 

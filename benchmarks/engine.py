@@ -88,6 +88,13 @@ def run(num_prompts: int, max_tokens: int, device: str) -> dict:
             "same_tokens": sum(list(g) == e for g, e in zip(got, expected))}
 
 
+def use_threads(n: int) -> None:
+    # One thread by default: on a small or shared machine torch's OpenMP threads
+    # wait milliseconds on each other per small op, which times the waiting.
+    import torch
+    torch.set_num_threads(n)
+
+
 def devices() -> list[str]:
     import torch
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -108,10 +115,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_for_report(num_prompts: int = 16, max_tokens: int = 32) -> tuple[str, list[dict]]:
+def run_for_report(num_prompts: int = 16, max_tokens: int = 32,
+                   threads: int = 1) -> tuple[str, list[dict]]:
     """``(Markdown table, rows)``; ImportError when kvref.engine or transformers is missing."""
     import transformers  # noqa: F401
     import kvref.engine  # noqa: F401
+    use_threads(threads)
     rows = [run(num_prompts, max_tokens, d) for d in devices()]
     return table(rows), rows
 
@@ -121,12 +130,10 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--device", action="append", help="cpu, cuda (default: all present)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads for both sides (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     print(table([run(args.prompts, args.max_tokens, d) for d in args.device or devices()]))
 
 

@@ -310,8 +310,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                         help="python that can import vllm 0.25.1 (default: %(default)s)")
     parser.add_argument("--no-vllm", action="store_true", help="run kvref alone")
-    parser.add_argument("--repeats", type=int, default=3, help="alternated runs per side")
-    parser.add_argument("--passes", type=int, default=5,
+    parser.add_argument("--repeats", type=int, default=5, help="alternated runs per side")
+    parser.add_argument("--passes", type=int, default=10,
                         help="replays of a class's traces per run (traces section)")
     parser.add_argument("--classes", default="", help="comma-separated trace classes")
     parser.add_argument("--modes", default="calls,prebuilt",
@@ -320,6 +320,8 @@ def main(argv=None) -> int:
                         help="pool sizes for the scaling section")
     parser.add_argument("--requests", type=int, default=4000,
                         help="requests per scaling run")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch CPU threads in the attention and engine sections")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the tables here")
     parser.add_argument("--plot", type=Path, default=HERE / "scaling.png")
@@ -394,7 +396,7 @@ def main(argv=None) -> int:
             print(f"\n== {name}")
             module = __import__(name)
             try:
-                text, data = module.run_for_report()
+                text, data = module.run_for_report(threads=args.torch_threads)
             except ImportError as exc:
                 text, data = f"skipped: {exc}", None
             print(text)
