@@ -40,6 +40,7 @@ from kvref.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
+    int_block_hashes_enabled,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
 )
@@ -119,6 +120,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list = []
+        # Read once, as a running vLLM engine caches its environment: not per event hash.
+        self._int_event_hashes = int_block_hashes_enabled()
 
     # -- lookup and caching ------------------------------------------------
 
@@ -184,8 +187,10 @@ class BlockPool:
             extra_keys.append(keys)
         lora = request.lora_request
         self.kv_event_queue.append(BlockStored(
-            block_hashes=[maybe_convert_block_hash(hashes[i]) for i in stored],
-            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            block_hashes=[maybe_convert_block_hash(hashes[i], self._int_event_hashes)
+                          for i in stored],
+            parent_block_hash=(maybe_convert_block_hash(hashes[first - 1], self._int_event_hashes)
+                               if first else None),
             token_ids=list(request.all_token_ids[first * block_size:end * block_size]),
             block_size=block_size,
             lora_id=lora.adapter_id if lora else None,
@@ -220,7 +225,8 @@ class BlockPool:
             return False
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(
-                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key),
+                                                       self._int_event_hashes)],
                 medium=MEDIUM_GPU, group_idx=get_group_id(key)))
         return True
 

@@ -76,10 +76,19 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
     return int.from_bytes(key[-4:], "big", signed=False)
 
 
-def maybe_convert_block_hash(block_hash: BlockHash) -> int | bytes:
+def int_block_hashes_enabled() -> bool:
+    """Whether KV events carry hashes as ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``,
+    on unless ``0``/``false``)."""
+    return os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").lower() not in ("0", "false")
+
+
+def maybe_convert_block_hash(block_hash: BlockHash, as_int: bool | None = None) -> int | bytes:
     """The hash as KV events carry it: by default the low 64 bits as an int
-    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` keeps the bytes, as in vLLM)."""
-    if os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").lower() in ("0", "false"):
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` keeps the bytes, as in vLLM).
+    ``as_int`` given: the caller read the switch already (the block pool, once)."""
+    if as_int is None:
+        as_int = int_block_hashes_enabled()
+    if not as_int:
         return block_hash
     return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
