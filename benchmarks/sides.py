@@ -104,6 +104,10 @@ class VLLMSide:
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.request import Request, RequestStatus
+        # A running engine caches its environment switches once started
+        # (EngineCore calls this); without it every event hash re-reads os.environ.
+        from vllm import envs
+        envs.enable_envs_cache()
         self._torch_dtype = torch.float16
         self._kvi = kvi
         self._utils = kv_cache_utils
