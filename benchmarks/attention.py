@@ -138,7 +138,7 @@ def run_all(device_list, repeats: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     import torch
     lines = [f"Heads {NUM_HEADS} (KV heads {NUM_KV_HEADS}), head size {HEAD_SIZE}, block size "
-             f"{BLOCK_SIZE}, float32, median of runs, {torch.get_num_threads()} CPU threads.",
+             f"{BLOCK_SIZE}, float32, median of runs, CPU threads: {torch.get_num_threads()}.",
              "",
              "| case | device | kvref paged ms | SDPA dense ms | paged / SDPA | max abs diff |",
              "|---|---|---:|---:|---:|---:|"]

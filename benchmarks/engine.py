@@ -103,7 +103,7 @@ def devices() -> list[str]:
 def table(rows: list[dict]) -> str:
     import torch
     lines = [f"Random Llama ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} KV "
-             f"heads, vocab {VOCAB}), greedy, {torch.get_num_threads()} CPU threads.", "",
+             f"heads, vocab {VOCAB}), greedy, CPU threads: {torch.get_num_threads()}.", "",
              "| device | prompts x new tokens | kvref engine tok/s | transformers one by one "
              "tok/s | speed-up | same tokens |",
              "|---|---|---:|---:|---:|---:|"]
