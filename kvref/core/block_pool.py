@@ -29,7 +29,6 @@ It is never in the free queue, never cached, never freed; like vLLM, its
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from kvref.core.kv_cache_utils import (
@@ -41,6 +40,7 @@ from kvref.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     get_block_hash,
     get_group_id,
+    int_block_hashes_enabled,
     make_block_hash_with_group_id,
     maybe_convert_block_hash,
 )
@@ -120,6 +120,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list = []
+        # Read once, as a running vLLM engine caches its environment: not per event hash.
+        self._int_event_hashes = int_block_hashes_enabled()
 
     # -- lookup and caching ------------------------------------------------
 
@@ -185,8 +187,10 @@ class BlockPool:
             extra_keys.append(keys)
         lora = request.lora_request
         self.kv_event_queue.append(BlockStored(
-            block_hashes=[maybe_convert_block_hash(hashes[i]) for i in stored],
-            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            block_hashes=[maybe_convert_block_hash(hashes[i], self._int_event_hashes)
+                          for i in stored],
+            parent_block_hash=(maybe_convert_block_hash(hashes[first - 1], self._int_event_hashes)
+                               if first else None),
             token_ids=list(request.all_token_ids[first * block_size:end * block_size]),
             block_size=block_size,
             lora_id=lora.adapter_id if lora else None,
@@ -221,7 +225,8 @@ class BlockPool:
             return False
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(
-                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key),
+                                                       self._int_event_hashes)],
                 medium=MEDIUM_GPU, group_idx=get_group_id(key)))
         return True
 
@@ -245,16 +250,20 @@ class BlockPool:
         longest. ``ValueError`` (before any change) if a block would drop below 0.
         """
         blocks = list(ordered_blocks)
-        over_freed = [b.block_id for b, n in Counter(blocks).items()
-                      if not b.is_null and n > b.ref_cnt]
-        if over_freed:
-            raise ValueError(f"free_blocks: blocks {sorted(over_freed)} are freed more "
-                             "times than they are referenced")
-        uncached, cached = [], []
+        uncached, cached, over_freed = [], [], []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
                 (uncached if block.block_hash is None else cached).append(block)
+            elif block.ref_cnt < 0 and not block.is_null:
+                over_freed.append(block.block_id)
+        # Over-freeing is found in the same pass and undone: counting each
+        # block's copies up front (a Counter) cost more than the free itself.
+        if over_freed:
+            for block in blocks:
+                block.ref_cnt += 1
+            raise ValueError(f"free_blocks: blocks {sorted(set(over_freed))} are freed "
+                             "more times than they are referenced")
         self.free_block_queue.prepend_n(uncached)
         self.free_block_queue.append_n(cached)
 

@@ -76,10 +76,19 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
     return int.from_bytes(key[-4:], "big", signed=False)
 
 
-def maybe_convert_block_hash(block_hash: BlockHash) -> int | bytes:
+def int_block_hashes_enabled() -> bool:
+    """Whether KV events carry hashes as ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``,
+    on unless ``0``/``false``)."""
+    return os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").lower() not in ("0", "false")
+
+
+def maybe_convert_block_hash(block_hash: BlockHash, as_int: bool | None = None) -> int | bytes:
     """The hash as KV events carry it: by default the low 64 bits as an int
-    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` keeps the bytes, as in vLLM)."""
-    if os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").lower() in ("0", "false"):
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` keeps the bytes, as in vLLM).
+    ``as_int`` given: the caller read the switch already (the block pool, once)."""
+    if as_int is None:
+        as_int = int_block_hashes_enabled()
+    if not as_int:
         return block_hash
     return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
@@ -159,7 +168,18 @@ class FreeKVCacheBlockQueue:
         """Take ``n`` blocks from the head, in queue order. O(n)."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot pop {n} blocks: only {self.num_free_blocks} are free")
-        return [self.popleft() for _ in range(n)]
+        # One walk and one relink, not n popleft() calls: every allocation comes here.
+        blocks = []
+        block = self.fake_free_list_head.next_free_block
+        for _ in range(n):
+            blocks.append(block)
+            block = block.next_free_block
+        self.fake_free_list_head.next_free_block = block   # the new head
+        block.prev_free_block = self.fake_free_list_head
+        for popped in blocks:
+            popped.prev_free_block = popped.next_free_block = None
+        self.num_free_blocks -= n
+        return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue (a cache hit revives it). O(1)."""
@@ -185,6 +205,8 @@ class FreeKVCacheBlockQueue:
         self._insert_after(self.fake_free_list_head, blocks)
 
     def _insert_after(self, anchor: KVCacheBlock, blocks: Sequence[KVCacheBlock]) -> None:
+        if not blocks:
+            return  # the common case: one of free_blocks' two lists is usually empty
         # Check every block before linking any: a failure leaves the queue intact.
         for block in blocks:
             if block.prev_free_block is not None or block.next_free_block is not None:

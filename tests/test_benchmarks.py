@@ -1,0 +1,73 @@
+"""The benchmark harness's kvref side runs, and runs the right calls (no timing checked).
+
+``benchmarks/`` is not a package: its scripts put themselves on ``sys.path``,
+and so does this test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import replay  # noqa: E402
+import scaling  # noqa: E402
+import sides  # noqa: E402
+
+TRACE = ROOT / "tests" / "conformance" / "traces" / "mamba_align" / \
+    "mamba_align-public-00001.json.gz"
+
+
+def test_replay_makes_every_call_and_raises_where_vllm_raised():
+    trace = replay.load_trace(TRACE)
+    wall, cpu, ops, raised = replay.time_trace(sides.get_side("kvref"), trace)
+    assert ops == len(trace["ops"])
+    assert raised == sum(1 for op in trace["ops"] if "raises" in (op.get("expect") or {}))
+    assert wall >= 0 and cpu >= 0
+
+
+def test_replayed_calls_leave_the_pool_as_vllm_left_it():
+    trace = replay.load_trace(TRACE)
+    built = sides.get_side("kvref").from_header(trace["header"])
+    calls = replay.compile_calls(trace["ops"], built)
+    built.pin_none_hash()
+    replay.run_calls(calls)
+    last_state = [op["expect"]["state"] for op in trace["ops"]
+                  if "state" in (op.get("expect") or {})][-1]
+    free = [b.block_id for b in built.manager.block_pool.free_block_queue.get_all_free_blocks()]
+    assert free == last_state["free"]
+
+
+def test_scaling_workload_returns_every_block():
+    side = sides.get_side("kvref")
+    result = scaling.per_call_cost(side, num_blocks=1000, num_requests=80)
+    assert set(result["per_call"]) == {"get_computed_blocks", "allocate_slots", "free"}
+    assert result["num_free_after"] == 1000 - 1
+    assert scaling.bytes_per_block(side, 1000) > 0
+
+
+def test_worker_answers_a_traces_request():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "worker.py"), "kvref"],
+        input=json.dumps({"cmd": "traces", "cls": "full", "passes": 1}) + "\n",
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    hello, answer = map(json.loads, proc.stdout.splitlines())
+    assert hello["ready"] and answer["ops"] > 0, proc.stderr
+
+
+def test_runner_runs_every_kvref_section_on_a_small_setting(tmp_path, capsys):
+    import run
+    out = tmp_path / "results.json"
+    assert run.main(["traces", "ops", "scaling", "--no-vllm", "--classes", "cross_attention",
+                     "--repeats", "1", "--passes", "1", "--sizes", "1000,2000",
+                     "--requests", "64", "--json", str(out), "--markdown",
+                     str(tmp_path / "tables.md"), "--plot", str(tmp_path / "plot.png")]) == 0
+    results = json.loads(out.read_text())
+    assert results["traces"]["calls"]["cross_attention"]["ops"] > 0
+    assert set(results["scaling"]["kvref"]) == {"1000", "2000"}
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert "cross_attention" in capsys.readouterr().out
