@@ -136,27 +136,13 @@ class VLLMSide:
             return kvi.CrossAttentionSpec(**heads)
         raise ValueError(f"unknown group kind {kind!r}")
 
-    def _seeded_none_hash(self, hash_fn, seed: str | None) -> bytes:
-        saved = os.environ.get("PYTHONHASHSEED")
-        try:
-            if seed is None:
-                os.environ.pop("PYTHONHASHSEED", None)
-            else:
-                os.environ["PYTHONHASHSEED"] = seed
-            self._utils.init_none_hash(hash_fn)
-        finally:
-            if saved is None:
-                os.environ.pop("PYTHONHASHSEED", None)
-            else:
-                os.environ["PYTHONHASHSEED"] = saved
-        return self._utils.NONE_HASH
-
     def _build(self, num_blocks: int, groups: list, manager_kwargs: dict, hash_fn,
                seed: str | None, use_hasher: bool) -> Built:
         kvi = self._kvi
         config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                    kv_cache_groups=groups)
-        none_hash = self._seeded_none_hash(hash_fn, seed)
+        from kvref.verify.trace_replay import seeded_none_hash
+        none_hash = seeded_none_hash(self._utils, hash_fn, seed)
         manager = self._manager_cls(config, **manager_kwargs)
         hasher = (self._utils.get_request_block_hasher(manager_kwargs["hash_block_size"],
                                                        hash_fn)

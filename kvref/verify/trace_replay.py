@@ -176,13 +176,36 @@ def _spec(group: dict):
     raise MalformedTrace(f"unknown group kind {kind!r}")
 
 
+def seeded_none_hash(utils: Any, hash_fn: Any, seed: str | None) -> bytes:
+    """Run ``utils.init_none_hash(hash_fn)`` as a process with ``PYTHONHASHSEED=seed``
+    would (``None``: unset), leave the environment as it was, return ``NONE_HASH``.
+
+    ``utils`` is kvref's ``kv_cache_utils`` or vLLM's (the benchmarks pass either):
+    the first block's parent hash depends on the seed, so a replay must reproduce it.
+    """
+    saved = os.environ.get("PYTHONHASHSEED")
+    try:
+        if seed is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = seed
+        utils.init_none_hash(hash_fn)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = saved
+    return utils.NONE_HASH
+
+
 class TraceReplayer:
     """One kvref manager built from a trace header, and the ops run against it."""
 
     def __init__(self, header: dict) -> None:
         hashing = header["hash"]
         self.hash_fn = HASH_FUNCTIONS[hashing["algo"]]
-        self.none_hash = self._seeded_none_hash(hashing.get("none_hash_seed"))
+        self.none_hash = seeded_none_hash(kv_cache_utils, self.hash_fn,
+                                          hashing.get("none_hash_seed"))
         groups = [KVCacheGroupSpec(g.get("layer_names", [f"layer.{i}"]), _spec(g),
                                    is_eagle_group=g.get("is_eagle_group", False))
                   for i, g in enumerate(header["groups"])]
@@ -203,21 +226,6 @@ class TraceReplayer:
         self.requests: dict[str, Request] = {}
         self.last_hit: dict[str, Any] = {}      # the KVCacheBlocks object itself
         self.handles: dict[str, list] = {}
-
-    def _seeded_none_hash(self, seed: str | None) -> bytes:
-        saved = os.environ.get("PYTHONHASHSEED")
-        try:
-            if seed is None:
-                os.environ.pop("PYTHONHASHSEED", None)
-            else:
-                os.environ["PYTHONHASHSEED"] = seed
-            kv_cache_utils.init_none_hash(self.hash_fn)
-        finally:
-            if saved is None:
-                os.environ.pop("PYTHONHASHSEED", None)
-            else:
-                os.environ["PYTHONHASHSEED"] = saved
-        return kv_cache_utils.NONE_HASH
 
     def initial_observation(self) -> dict:
         return {"watermark_blocks": self.manager.watermark_blocks,
