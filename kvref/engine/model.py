@@ -58,7 +58,8 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False     # bias on q, k, v (Qwen2; Llama's attention_bias)
+    attention_bias: bool = False     # bias on q, k, v (always in Qwen2)
+    o_proj_bias: bool = False        # bias on the output projection (never in Qwen2)
     mlp_bias: bool = False
     qk_norm: bool = False            # RMSNorm over each head of q and k (Qwen3)
     layer_types: tuple[str, ...] = ()
@@ -130,9 +131,12 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=rope,
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama says so in attention_bias.
+            # Qwen2 has a q/k/v bias and no output bias, whatever its config
+            # says; Llama's and Qwen3's attention_bias puts one on all four.
             attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias",
                                                                  False)),
+            o_proj_bias=model_type != "qwen2" and bool(getattr(hf_config, "attention_bias",
+                                                               False)),
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             qk_norm=model_type == "qwen3", layer_types=layer_types,
             sliding_window=sliding_window, eos_token_id=eos)
@@ -234,7 +238,7 @@ class Attention(nn.Module):
         # One matmul for q, k and v (vLLM's QKVParallelLinear): rows [q | k | v].
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)

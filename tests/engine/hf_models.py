@@ -23,22 +23,25 @@ DEVICES = [
 
 def llama(seed: int = 0, *, vocab_size: int = 96, hidden_size: int = 32, layers: int = 2,
           heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
-          tie: bool = False, rope_parameters: dict | None = None) -> transformers.PreTrainedModel:
+          tie: bool = False, rope_parameters: dict | None = None,
+          attention_bias: bool = False) -> transformers.PreTrainedModel:
     config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim or hidden_size // heads, max_position_embeddings=256,
         tie_word_embeddings=tie, initializer_range=0.3, rope_parameters=rope_parameters,
+        attention_bias=attention_bias,
         attn_implementation="eager", eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
+    return _random_biases(transformers.LlamaForCausalLM(config).eval())
 
 
 def hybrid(seed: int = 0, *, arch: str = "qwen3", window: int = 5,
            layer_types: tuple[str, ...] = ("full_attention", "sliding_attention",
                                            "sliding_attention"),
            vocab_size: int = 96, hidden_size: int = 32, heads: int = 4, kv_heads: int = 2,
-           head_dim: int = 8, tie: bool = True) -> transformers.PreTrainedModel:
+           head_dim: int = 8, tie: bool = True,
+           attention_bias: bool = False) -> transformers.PreTrainedModel:
     """Qwen3 (or Qwen2): full-attention layers mixed with sliding-window layers."""
     config_cls, model_cls = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -49,9 +52,20 @@ def hybrid(seed: int = 0, *, arch: str = "qwen3", window: int = 5,
         num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
         use_sliding_window=True, sliding_window=window, layer_types=list(layer_types),
         tie_word_embeddings=tie, initializer_range=0.3, attn_implementation="eager",
+        attention_bias=attention_bias,
         eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    return model_cls(config).eval()
+    return _random_biases(model_cls(config).eval())
+
+
+def _random_biases(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """transformers starts every bias at zero; a bias the engine dropped or put
+    in the wrong place would go unnoticed, so give them values."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.3)
+    return model
 
 
 @functools.lru_cache(maxsize=None)

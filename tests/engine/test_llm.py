@@ -172,6 +172,21 @@ def test_loads_a_local_checkpoint_folder(tmp_path, device):
     assert_matches_transformers(model, prompts, outputs, 5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_attention_biases_load_from_a_checkpoint(tmp_path, arch):
+    """Llama's and Qwen3's ``attention_bias`` puts a bias on q, k, v and the
+    output projection; Qwen2 has q, k, v biases and no output bias."""
+    model = llama(attention_bias=True) if arch == "llama" else hybrid(
+        arch=arch, attention_bias=True)
+    o_proj_bias = model.model.layers[0].self_attn.o_proj.bias
+    assert (o_proj_bias is None) == (arch == "qwen2")
+    model.save_pretrained(tmp_path)
+    prompts = shared_prefix_prompts(model.config.vocab_size, seed=5)[:4]
+    llm, _ = make_llm(str(tmp_path), "cpu", num_gpu_blocks=64)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert_matches_transformers(model, prompts, outputs, 5)
+
+
 def test_a_pool_that_cannot_hold_one_full_request_is_refused():
     with pytest.raises(ValueError, match="cannot hold one request"):
         LLM(llama(), block_size=4, max_model_len=64, num_gpu_blocks=10)
