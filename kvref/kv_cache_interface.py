@@ -150,7 +150,8 @@ class AttentionSpec(KVCacheSpec):
         and channel, ``2 * block_size * num_kv_heads * head_size * dtype size``.
 
         The pool's size follows from it: ``num_blocks = available bytes //
-        page_size_bytes // num_layers`` (``get_num_blocks``).
+        page_size_bytes // num_layers``, ``num_layers`` being the layers of the
+        largest KV cache group (``get_num_blocks``).
         """
         return (2 * self.block_size * self.num_kv_heads * self.head_size
                 * get_dtype_size(self.dtype))

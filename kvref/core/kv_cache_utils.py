@@ -372,8 +372,11 @@ class BlockHashListWithBlockSize(Sequence):
 
 def get_num_blocks(num_layers: int, available_memory: int, page_size: int,
                    num_gpu_blocks_override: int | None = None) -> int:
-    """Blocks a KV cache budget buys: every layer keeps its own tensor with one
-    page per block, so ``available_memory // page_size // num_layers``.
+    """Blocks a KV cache budget buys: ``available_memory // page_size //
+    num_layers``, one page per block in each of ``num_layers`` tensors. With
+    one KV cache group that is every layer; with several, vLLM passes the
+    largest group's layer count, because layer i of every group shares one
+    tensor (each group's own block table keeps their blocks apart).
     ``num_gpu_blocks_override`` (vLLM's ``--num-gpu-blocks-override``) replaces
     the answer. The null block is one of the blocks counted."""
     if num_layers <= 0 or page_size <= 0:
