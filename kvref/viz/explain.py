@@ -177,6 +177,11 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
         while leading < len(hashes) and pool.get_cached_block(hashes[leading], [gid]):
             leading += 1
         if leading < len(hashes):
+            num_cached = _num_cached(pool)
+            pool_state = (f"the pool holds {num_cached} cached blocks, "
+                          f"{_num_cached(pool, free_only=True)} of them free: the cache is "
+                          "not empty, it holds other prefixes" if num_cached else
+                          "the pool holds no cached block yet")
             lines.append(f"g{gid} (full, blocks of {bs}): blocks 0..{leading - 1} are cached; "
                          f"block {leading} (tokens {leading * bs}-{(leading + 1) * bs - 1}) "
                          "missed: no cached block has its hash. Hashes chain over every "
@@ -185,9 +190,7 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
                          if leading else
                          f"g{gid} (full, blocks of {bs}): block 0 (tokens 0-{bs - 1}) missed: "
                          "no cached block has its hash, so nothing of this prefix is cached "
-                         f"(the pool holds {_num_cached(pool)} cached blocks, "
-                         f"{_num_cached(pool, free_only=True)} of them free: the cache is not "
-                         "empty, it holds other prefixes)")
+                         f"({pool_state})")
             lines.append(_why_never_cached(player, req, leading, bs))
         else:
             lines.append(f"g{gid} (full, blocks of {bs}): all {leading} hashed blocks are "

@@ -66,6 +66,22 @@ def test_a_missed_hash_is_named_with_its_tokens():
     assert "cached but recomputed" not in text
 
 
+def test_a_first_lookup_on_an_empty_cache_says_it_is_empty():
+    trace = PrefixCachingWalkthrough().record()
+    text = "\n".join(explain(trace, _lookup(trace, "A")))
+    assert "block 0 (tokens 0-3) missed" in text
+    assert "the pool holds no cached block yet" in text
+    assert "not empty" not in text
+
+
+def test_a_miss_on_a_warm_cache_counts_what_it_holds(multi_turn):
+    trace, op = multi_turn, 233
+    text = "\n".join(explain(trace, op))
+    assert "block 0 (tokens 0-" in text and "missed" in text
+    held = int(text.split("the pool holds ")[1].split(" cached blocks")[0])
+    assert held > 0 and "the cache is not empty" in text
+
+
 def test_the_hybrid_fixed_point_names_the_limiting_group():
     trace = SlidingWindowWalkthrough().record()
     text = "\n".join(explain(trace, _lookup(trace, "C")))
