@@ -63,7 +63,8 @@ CATEGORIES = ["token states", "reserved", "internal frag.", "external frag.", "f
 # Prompt and output lengths are **lognormal**: lengths are positive and
 # right-skewed, most requests are short and a few are very long, which is the
 # shape of chat traces such as ShareGPT (the paper's main trace). The parameters
-# are ours (medians near 180 prompt and 160 output tokens), not fitted to a trace;
+# are ours (lognormal medians 180 prompt and 160 output tokens; the drawn sample's
+# medians are printed below), not fitted to a trace;
 # lengths are clipped to fit `max_model_len`. All 300 requests are waiting at the
 # start (an offline batch), so memory, not arrivals, limits the batch.
 

@@ -165,7 +165,9 @@ claim(pool.blocks[1].ref_cnt == 1 and 1 not in queue_ids(manager),
 #
 # Free `b` and ask for one block fewer than the pool has free. `get_new_blocks`
 # pops from the head; a cached block it pops loses its hash right there (a
-# `BlockRemoved` event). That is the only place eviction happens. Two of the
+# `BlockRemoved` event). That is the only eviction that makes room; the other
+# two calls that drop hashes free no block: `evict_blocks` (a failed KV load,
+# lesson 07) and `reset_prefix_cache` (all of them). Two of the
 # popped blocks were cached (block 2, and block 4 that `c` filled). The queue put
 # block 1 last, so it survives, and a request sharing the first 4 tokens still
 # hits it.

@@ -70,8 +70,9 @@ def hash_table(req, title):
 #
 # The first block's parent is `NONE_HASH`. vLLM derives it from the
 # `PYTHONHASHSEED` environment variable, or draws 32 random bytes when it is not
-# set, and warns: then two processes (two vLLM instances behind one router, or
-# a restarted server) hash the same tokens differently. Set it when anything
+# set (it warns only for the CBOR hash functions; with the default `sha256` it
+# is silent): then two processes (two vLLM instances behind one router, or a
+# restarted server) hash the same tokens differently. Set it when anything
 # outside the process compares hashes (KV events, lesson 11).
 
 # %%

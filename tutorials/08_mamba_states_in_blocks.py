@@ -222,8 +222,9 @@ claim(torch.allclose(cache[1], ref[5]) and not torch.allclose(cache[1], ref[7]),
 # %% [markdown]
 # ## 4. What each mode costs
 #
-# A request's peak blocks in the group, as vLLM sizes it
-# (`MambaSpec.max_num_blocks_per_request`, the basis of lesson 12's arithmetic):
+# A request's peak blocks in the group, as vLLM sizes it in
+# `MambaSpec.max_memory_usage_bytes` (kvref's `max_num_blocks_per_request` is
+# that count before it is multiplied by the page size; lesson 12 builds on it):
 # `all` reserves a block per block of the longest sequence, `align` 2 and
 # `none` 1 (each plus `num_speculative_blocks` for speculative decoding). The
 # cached states of `all` stay in the pool after the request frees them, until

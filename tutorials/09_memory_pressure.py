@@ -110,7 +110,7 @@ def timeline(llm, pictures):
 # %% [markdown]
 # ## 1. Enough memory: the baseline
 #
-# Each request ends with 10 + 12 tokens at most: 6 blocks. A pool of 40 blocks
+# Each request ends with 11 + 12 tokens at most: 6 blocks. A pool of 40 blocks
 # holds all four at once; nothing is preempted.
 
 # %%

@@ -220,9 +220,11 @@ claim(hits == {False: 12, True: 8}, "EAGLE gives up the last hit block: 12 -> 8 
 # No KV cache group is marked `is_eagle_group` (the usual case: the project's
 # defect notes find only DeepSeek-V4 marking one), and then vLLM's coordinator
 # falls back to applying the drop to **every** group. Each EAGLE group
-# searches one block further than the candidate length and drops one block.
-# Full attention does; `MambaManager.find_longest_cache_hit`
-# receives `drop_eagle_block` and never reads it. So Mamba returns the state one
+# searches up to one block past the candidate length (never past the
+# `num_tokens - 1` cap) and drops one block. Full attention, searched first at
+# the cap, just drops its last block; `MambaManager.find_longest_cache_hit`
+# receives `drop_eagle_block` and never reads it, so it searches one block
+# past full attention's shortened length and keeps it. So Mamba returns the state one
 # block *past* full attention, the fixed point accepts that length, and the
 # final trim of the full-attention list can only shorten it.
 #

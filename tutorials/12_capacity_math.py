@@ -123,8 +123,9 @@ claim(bound == 4 and peak == 4, "the request peaks at exactly the bound, 4 block
 # `get_max_concurrency_for_kv_cache_config` divides the pool by one request's
 # peak, summed over groups: the "Maximum concurrency for N tokens per request"
 # vLLM logs at start-up. For the Llama pool of section 1 and `L = 8192`:
-# `4096 / 512 = 8`. It divides all blocks, the null block included, and
-# assumes every request reaches `L` and shares nothing: a floor, not a ceiling.
+# `4096 / 512 = 8`. It assumes every request reaches `L` and shares nothing,
+# and it divides all blocks, the null block included, so for such requests it
+# is slightly high; real traffic (shorter requests, shared prefixes) fits more.
 #
 # On a pool of 9 blocks of 4 tokens, `L = 8` gives `9 / 2 = 4.5`: the real
 # manager admits 4 requests of 8 tokens and refuses a fifth.
