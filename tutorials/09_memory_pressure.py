@@ -13,7 +13,8 @@
 #
 # Requests grow one block at a time while they decode. When a running request
 # needs a block and the pool has none, vLLM's scheduler
-# (`vllm/v1/core/sched/scheduler.py`) **preempts** the newest running request:
+# (`vllm/v1/core/sched/scheduler.py`) **preempts** the last-admitted running
+# request (the tail of its running list; a resumed request rejoins the tail):
 # it frees all its blocks, sets its `num_computed_tokens` to 0 and puts it at
 # the *front* of the waiting queue. Later it is admitted again and
 # **recomputes** its prompt and the tokens it had generated. Its full blocks
@@ -124,7 +125,7 @@ claim(llm_big.stats.num_preemptions == 0, "with 40 blocks nobody is preempted")
 # 15 usable blocks for requests that will want up to 23. Read the timeline from
 # the top: all four are admitted (their prompts fit; the step's 16-token budget
 # cuts request 3's prompt), then they decode and grow; when a request crosses a
-# block boundary and no block is free, the newest running request is preempted
+# block boundary and no block is free, the last-admitted running request is preempted
 # (its blocks turn `○`: free, still cached). It waits at the front of the
 # queue; when there is room again it is resumed, and its prefix hit shows how
 # much of its recompute the cache saved: whatever of its blocks nobody evicted

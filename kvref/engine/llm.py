@@ -79,7 +79,8 @@ class LLM:
         enable_kv_cache_events: queue the manager's block events
             (``llm.kv_cache_manager.take_events()``).
         speculative_config: ``{"method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_min": a, "prompt_lookup_max": b}`` (vLLM's keys).
+            "prompt_lookup_min": a, "prompt_lookup_max": b}`` (vLLM's keys and
+            defaults: ``a = b = 5`` when neither is given, else the one given).
     """
 
     def __init__(self, model, *, block_size: int = 16, num_gpu_blocks: int | None = None,
@@ -112,6 +113,7 @@ class LLM:
                                  1 + self.max_num_seqs * per_request)
         if num_gpu_blocks < 1 + per_request:
             # vLLM refuses to start too: a full-length request could never run.
+            # (Its check leaves out the null block; kvref counts it, one block stricter.)
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks} cannot hold one request of "
                              f"max_model_len={self.max_model_len} tokens: it needs "
                              f"{per_request} blocks plus the null block")
@@ -146,10 +148,15 @@ class LLM:
         if method != "ngram":
             raise ValueError(f"speculative method {method!r} is not supported (ngram)")
         k = config.pop("num_speculative_tokens")
-        low = config.pop("prompt_lookup_min", 1)
-        high = config.pop("prompt_lookup_max", low)
+        low = config.pop("prompt_lookup_min", None)
+        high = config.pop("prompt_lookup_max", None)
         if config:
             raise ValueError(f"unknown speculative_config keys {sorted(config)}")
+        # vLLM's defaults: 5 and 5 when neither is given, else the one given for both.
+        if low is None and high is None:
+            low = high = 5
+        low = high if low is None else low
+        high = low if high is None else high
         return NgramProposer(low, high, k, self.max_model_len)
 
     def _blocks_per_full_request(self, kv_cache_config, block_size: int) -> int:

@@ -2,7 +2,7 @@
 
 Mirrors ``vllm/v1/worker/gpu_model_runner.py`` (``_update_states``,
 ``_prepare_inputs``, ``execute_model``, ``initialize_kv_cache``) and the
-KV-cache layout of ``vllm/v1/core/kv_cache_utils.py::get_kv_cache_config``.
+KV-cache layout of ``vllm/v1/core/kv_cache_utils.py::get_kv_cache_config_from_groups``.
 A step, for a batch of requests packed back to back:
 
     request      a (prefill chunk)     b (decode)   c (new, 8-token prefix hit)

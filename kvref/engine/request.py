@@ -2,7 +2,8 @@
 
 Mirrors the rest of ``vllm/v1/request.py``: sampling parameters, the output
 tokens so far, the end-of-sequence id, and how many prompt tokens the prefix
-cache served (``num_cached_tokens``, -1 until the first admission)::
+cache served (``num_cached_tokens``, -1 until the first admission; vLLM keeps
+it in the request's ``PrefillStats`` and reports it with the first output)::
 
     >>> from kvref import get_request_block_hasher, init_none_hash, sha256
     >>> from kvref.engine.sampling_params import SamplingParams
@@ -36,7 +37,9 @@ class EngineRequest(Request):
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.output_token_ids: list[int] = []
-        # Tokens served by the prefix cache at the first admission (vLLM's meaning).
+        # Prompt tokens the prefix cache served at the last admission before
+        # the first output token (vLLM's PrefillStats: a preemption before
+        # that token re-admits the request and overwrites it; after, not).
         self.num_cached_tokens = -1
         # Draft tokens proposed for the next step (n-gram speculative decoding).
         self.spec_token_ids: list[int] = []

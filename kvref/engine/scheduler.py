@@ -3,18 +3,23 @@
 Mirrors ``vllm/v1/core/sched/scheduler.py`` (v0.25.1), FCFS policy, without
 the KV connector, encoder inputs, LoRA, structured output and async
 scheduling; speculative decoding only with draft tokens that need no KV
-lookahead slots (the n-gram proposer). What is left is the part that drives
-the KV cache manager, in vLLM's order and with vLLM's calls::
+lookahead slots (the n-gram proposer), and without vLLM's padding of a
+re-admitted one-token decode to ``1 + k`` tokens (a CUDA-graph shape). What
+is left is the part that drives the KV cache manager, in vLLM's order and
+with vLLM's calls::
 
     schedule()
-      1. RUNNING requests, oldest first. Each wants
-         num_tokens - num_computed_tokens tokens (1 when decoding; a chunk
+      1. RUNNING requests, in admission order. Each wants
+         num_tokens_with_spec - num_computed_tokens tokens (1 when decoding,
+         1 + k with k draft tokens; a chunk
          when its prefill was cut), capped by long_prefill_token_threshold,
          the step's token budget and max_model_len - 1.
          allocate_slots(req, n) -> None means the pool is full: preempt the
-         NEWEST running request (free its blocks, num_computed_tokens = 0,
-         back to the FRONT of the waiting queue) and try again. If the
-         newest is the request itself, it is preempted and the loop stops.
+         LAST-ADMITTED running request, the tail of the running list (free
+         its blocks, num_computed_tokens = 0, back to the FRONT of the
+         waiting queue) and try again. A resumed request joins the tail, so
+         it is the next victim however old it is. If the victim is the
+         request itself, it is preempted and the loop stops.
       2. WAITING requests, only if nobody was preempted this step, while
          there is budget and fewer than max_num_seqs are running:
          get_computed_blocks(req) finds the prefix hit (when the request
@@ -105,7 +110,8 @@ class CachedRequestData:
     Parallel lists, one entry per request. ``new_block_ids[i]`` is None when
     no block was added; for a resumed request it is the whole new table.
     ``all_token_ids`` holds the full token list of requests that were not
-    scheduled in the previous step (the runner cannot have their last token).
+    scheduled in the previous step (vLLM sends it for the KV connector and for
+    async scheduling; kvref's runners keep their own copy and do not need it).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -322,7 +328,7 @@ class Scheduler:
                 new_blocks = manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                # Out of blocks: recompute-preempt the newest running request.
+                # Out of blocks: recompute-preempt the last-admitted running request.
                 victim = self.running.pop()
                 self._preempt_request(victim)
                 preempted.append(victim)
@@ -391,7 +397,7 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
                 prefix_hit_tokens[request.request_id] = num_new_local_computed_tokens
-                if request.num_cached_tokens < 0:
+                if not request.output_token_ids:
                     request.num_cached_tokens = num_computed_tokens
                 self._count_prompt_tokens_cached(request, num_new_local_computed_tokens)
 

@@ -203,6 +203,27 @@ def test_seeded_sampling_is_reproducible():
     assert outs[0] == outs[1] != outs[2]
 
 
+@pytest.mark.parametrize("given, expected", [
+    ({}, (5, 5)),                                   # vLLM's defaults
+    ({"prompt_lookup_max": 3}, (3, 3)),             # the one given, for both
+    ({"prompt_lookup_min": 2}, (2, 2)),
+    ({"prompt_lookup_min": 2, "prompt_lookup_max": 4}, (2, 4)),
+])
+def test_ngram_lookup_lengths_default_as_in_vllm(given, expected):
+    config = dict(method="ngram", num_speculative_tokens=2, **given)
+    llm = LLM(llama(), block_size=4, max_model_len=64, num_gpu_blocks=40,
+              speculative_config=config)
+    drafter = llm.model_runner.drafter
+    assert (drafter.min_n, drafter.max_n) == expected
+
+
+def test_ngram_lookup_min_above_max_is_refused():
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        LLM(llama(), block_size=4, max_model_len=64, num_gpu_blocks=40,
+            speculative_config=dict(method="ngram", num_speculative_tokens=2,
+                                    prompt_lookup_min=4, prompt_lookup_max=2))
+
+
 NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
              prompt_lookup_max=4)
 

@@ -132,6 +132,28 @@ def test_shared_prefix_is_served_from_the_cache():
     assert scheduler.stats.prompt_tokens_computed == 14 + 15 - 12
 
 
+def test_num_cached_tokens_is_the_last_admission_before_the_first_token():
+    # vLLM reports the hit of the request's PrefillStats, which every admission
+    # overwrites until the first output token is out. "a" (16 tokens, prefilled
+    # 4 at a time) is preempted by "b"'s decodes twice before it samples.
+    scheduler = Scheduler(make_manager(7), max_num_batched_tokens=4)
+    runner = ModelFreeRunner(VOCAB)
+    scheduler.new_request("b", list(range(1, 8)), SamplingParams(max_tokens=12,
+                                                                 ignore_eos=True))
+    a = scheduler.new_request("a", list(range(20, 36)), SamplingParams(max_tokens=2,
+                                                                       ignore_eos=True))
+    admissions = []                      # (hit, output tokens a had when admitted)
+    while scheduler.has_unfinished_requests():
+        num_outputs = len(a.output_token_ids)
+        engine_step(scheduler, runner)
+        scheduler.kv_cache_manager.check_valid()
+        if "a" in scheduler.step_records[-1].prefix_hit_tokens:
+            admissions.append((scheduler.step_records[-1].prefix_hit_tokens["a"], num_outputs))
+    assert admissions == [(0, 0), (8, 0), (4, 0)]
+    assert a.num_cached_tokens == 4
+    assert a.output_token_ids == runner.reference_output(list(range(20, 36)), 2)
+
+
 def test_a_full_pool_preempts_the_newest_request_back_to_the_front_of_the_queue():
     # 5 usable blocks of 4 tokens (block 0 is the null block).
     scheduler = Scheduler(make_manager(6), max_num_batched_tokens=64)
