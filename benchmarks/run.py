@@ -370,8 +370,12 @@ def main(argv=None) -> int:
             table = scaling_table(results["scaling"], sizes)
             print(table)
             markdown += ["", "### Per-call cost vs pool size (median of runs)", "", table]
-            plot(results["scaling"], sizes, results.get("traces"), args.plot)
-            print(f"plot: {args.plot}")
+            try:
+                plot(results["scaling"], sizes, results.get("traces"), args.plot)
+                print(f"plot: {args.plot}")
+            except ModuleNotFoundError as error:      # the tables above still stand
+                print(f"plot: not drawn, {error.name} is not installed "
+                      "(pip install -e '.[tutorials]' brings it)")
     finally:
         for worker in workers.values():
             worker.close()
