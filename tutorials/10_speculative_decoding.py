@@ -273,12 +273,13 @@ claim(violation is not None and violation.invariant == "INV-HIT-2" and "group 0"
       "the checker flags INV-HIT-2 on group 0: its hit blocks cover 4 of the 8 hit tokens")
 
 # %% [markdown]
-# **The search a later vLLM does.** vLLM's main branch changed the coordinator:
-# the EAGLE margin (search one block further, then drop) is given only to
-# groups that are not Mamba ("no margin for mamba: its finder never drops"), so
-# Mamba's search stops at the attention candidate. Asked that way, kvref's
-# own Mamba finder agrees with full attention. (Upstream pull requests such as
-# #48375 and #57128 propose that the Mamba finder honour the drop instead.)
+# **The search a later vLLM does.** Later vLLM releases (v0.28.0, for one)
+# changed the coordinator: the EAGLE margin (search one block further, then
+# drop) is given only to groups that are not Mamba, because the Mamba finder
+# never drops a block and the margin would only lengthen its hit. So Mamba's
+# search stops at the attention candidate. Asked that way, kvref's own Mamba
+# finder agrees with full attention. (Related upstream pull requests include
+# #43650, #45614, #46281, #48375 and #57128.)
 
 # %%
 mamba_hit = MambaManager.find_longest_cache_hit(

@@ -336,9 +336,9 @@ claim(index.score(prompt + [1]) == manager.get_computed_blocks(request("p", prom
 # and masked blocks in the range are skipped when hashes are collected, but
 # `token_ids` still spans the whole range, and `parent_block_hash` is the hash of
 # the block before the range even if that block was never stored in this group
-# (`BlockPool.cache_full_blocks`; upstream issue #44451; PR #44488 proposes a
-# `block_offsets` field to say which slice each hash belongs to, and 0.25.1 does
-# not have it). A Mamba group in `align` mode keeps only the state at the end of
+# (`BlockPool.cache_full_blocks`; upstream issue #44451; PR #44488, open,
+# proposes making the event dense again and carrying the skipped span in
+# optional extra fields; 0.25.1 has none of that). A Mamba group in `align` mode keeps only the state at the end of
 # each chunk, so most of its blocks are null:
 #
 # - a chunk covering several blocks gives fewer hashes than token slices, and
