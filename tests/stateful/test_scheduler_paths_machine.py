@@ -404,7 +404,10 @@ class SchedulerPaths(SchedulerDrivesManager):
                                       for spec, h in zip(self.specs, hit.blocks)]
         if not load_async:
             self._note_cached(name, min(T + n, req.num_tokens))
-        cached_now = {i for i, h in self._hashes().items() if before[2].get(i) != h}
+        # Cached by this call: a new key, or a block handed out again (evicted,
+        # then perhaps cached anew under the very same key in this call).
+        cached_now = {i for i, h in self._hashes().items()
+                      if before[2].get(i) != h or i in got}
         # The step writes these blocks before any attention of the same step
         # reads them, so a request admitted later in this step may hit them.
         for g, table in enumerate(self.manager.get_blocks(name).blocks):
