@@ -29,28 +29,15 @@
 import time
 
 import torch
-import transformers
 from rich.table import Table
 
 from kvref.engine import LLM, SamplingParams
 from kvref.viz import render_pool
 
-from _lesson import claim, finish, section, show, start
+from _lesson import claim, finish, section, show, start, tiny_llama
 
 args = start("Prefix caching with a real model", uses_tensors=True)
 BLOCK_SIZE, MAX_TOKENS = 4, 6
-
-
-def tiny_llama(seed=0):
-    """A 2-layer Llama, random weights with a wide spread (so greedy decoding
-    does not repeat one token, which would make equal outputs meaningless)."""
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.3, attn_implementation="eager",
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 model = tiny_llama()

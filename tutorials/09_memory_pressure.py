@@ -30,25 +30,18 @@
 
 # %%
 import torch
-import transformers
 from rich.table import Table
 from rich.text import Text
 
 from kvref.engine import LLM, SamplingParams
 
-from _lesson import claim, finish, section, show, start
+from _lesson import claim, finish, section, show, start, tiny_llama
 
 args = start("Memory pressure: preemption, recompute, the watermark", uses_tensors=True)
 BLOCK_SIZE, MAX_TOKENS = 4, 12
 COLOURS = ["green", "cyan", "magenta", "yellow", "blue"]
 
-config = transformers.LlamaConfig(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    initializer_range=0.3, attn_implementation="eager",
-    bos_token_id=None, eos_token_id=None, pad_token_id=None)
-torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(config).eval()
+model = tiny_llama()
 g = torch.Generator().manual_seed(2)
 prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (10, 9, 11, 8)]
 params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -31,7 +31,6 @@
 
 # %%
 import torch
-import transformers
 from rich.table import Table
 
 from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
@@ -43,7 +42,7 @@ from kvref.verify.invariants import InvariantViolation, check, check_prefix_hit
 from kvref.viz import render_pool
 from kvref.worker import BlockTable
 
-from _lesson import claim, finish, section, show, start
+from _lesson import claim, finish, section, show, start, tiny_llama
 
 args = start("Speculative decoding", uses_tensors=True)
 device = torch.device(args.device)
@@ -161,13 +160,7 @@ claim(len(manager.get_block_ids("r")[0]) == 4
 
 # %%
 section("2b. n-gram speculative decoding with a real model")
-hf_config = transformers.LlamaConfig(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    initializer_range=0.3, attn_implementation="eager",
-    bos_token_id=None, eos_token_id=None, pad_token_id=None)
-torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(hf_config).eval()
+model = tiny_llama()
 gen = torch.Generator().manual_seed(2)
 prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (10, 9)]
 params = SamplingParams(max_tokens=40, ignore_eos=True)

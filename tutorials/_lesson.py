@@ -181,6 +181,23 @@ def claim(condition: bool, text: str) -> None:
     console.print(f"[green]✓[/green] {escape(text)}", soft_wrap=True)
 
 
+def tiny_llama(seed: int = 0):
+    """The lessons' model: a 2-layer Llama (96 tokens, 4 heads over 2 KV heads)
+    with random weights of a wide spread, so greedy decoding does not repeat
+    one token (which would make equal outputs meaningless). Imports
+    ``transformers`` only when called: most lessons need no model."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.3, attn_implementation="eager",
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 def figure_path(args: argparse.Namespace, name: str) -> Path:
     """Where to save the figure ``name`` (the folder is created)."""
     args.figures.mkdir(parents=True, exist_ok=True)
