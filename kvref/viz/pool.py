@@ -85,7 +85,8 @@ def render_grid(pool) -> Group:
                 row.append_text(_detailed_cell(block))
                 row.append(" ")
             rows.append(row)
-        scale = Text(f"{len(blocks)} blocks, one cell each: id, state, ref count", style="dim")
+        scale = Text(f"{len(blocks)} blocks (block 0 is the null block), one cell each: id, state, "
+                     "ref count", style="dim")
     elif len(blocks) <= COMPACT_MAX_CELLS:
         for start in range(0, len(blocks), COMPACT_PER_ROW):
             row = Text(f"{start:>5} ", style="dim")
