@@ -31,7 +31,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvref.engine.model_free_runner import ModelFreeRunner, engine_step
+from kvref.engine.core import engine_step
+from kvref.engine.model_free_runner import ModelFreeRunner
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.scheduler import Scheduler, StepRecord
 from kvref.kv_cache_interface import (
