@@ -17,13 +17,12 @@ manager's invariants there; the visualizer draws the pool).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvref import KVCacheManager, SlidingWindowSpec
+from kvref import KVCacheConfig, KVCacheManager
 from kvref.engine.core import EngineCore
 from kvref.engine.loader import load_model
 from kvref.engine.model_runner import GPUModelRunner, make_kv_cache_config
@@ -106,7 +105,7 @@ class LLM:
                              f"({self.max_model_len})")
 
         probe = make_kv_cache_config(config, block_size, 1, self.dtype)
-        per_request = self._blocks_per_full_request(probe, block_size)
+        per_request = self._blocks_per_full_request(probe)
         if num_gpu_blocks is None:
             num_tensors = max(len(g.layer_names) for g in probe.kv_cache_groups)
             block_bytes = num_tensors * probe.kv_cache_groups[0].kv_cache_spec.page_size_bytes
@@ -161,16 +160,14 @@ class LLM:
         high = low if high is None else high
         return NgramProposer(low, high, k, self.max_model_len)
 
-    def _blocks_per_full_request(self, kv_cache_config, block_size: int) -> int:
-        total = 0
-        for group in kv_cache_config.kv_cache_groups:
-            blocks = math.ceil(self.max_model_len / block_size)
-            spec = group.kv_cache_spec
-            if isinstance(spec, SlidingWindowSpec):
-                blocks = min(blocks, spec.max_admission_blocks_per_request(
-                    self.max_num_batched_tokens, self.max_model_len))
-            total += blocks
-        return total
+    def _blocks_per_full_request(self, kv_cache_config: KVCacheConfig) -> int:
+        """Blocks one request of ``max_model_len`` tokens holds at its peak, summed
+        over the groups: what vLLM's start-up check (``_check_enough_kv_cache_memory``
+        over ``_max_memory_usage_bytes_from_groups``) asks the pool for."""
+        return sum(group.kv_cache_spec.max_num_blocks_per_request(
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens)
+            for group in kv_cache_config.kv_cache_groups)
 
     @property
     def stats(self) -> SchedulerStats:

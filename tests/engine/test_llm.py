@@ -192,6 +192,17 @@ def test_a_pool_that_cannot_hold_one_full_request_is_refused():
         LLM(llama(), block_size=4, max_model_len=64, num_gpu_blocks=10)
 
 
+def test_the_start_check_counts_a_window_group_as_vllm_does():
+    # max_model_len 64, block 4, window 8, the default 2048-token budget: the
+    # full group needs cdiv(64, 4) = 16 blocks, the window group 17 (the window
+    # need not start on a block boundary: one block more than the whole sequence).
+    model = hybrid(window=8)
+    with pytest.raises(ValueError, match="it needs 33 blocks plus the null block"):
+        LLM(model, block_size=4, max_model_len=64, num_gpu_blocks=33)
+    assert LLM(model, block_size=4, max_model_len=64, num_gpu_blocks=34).kv_cache_config \
+        .num_blocks == 34
+
+
 def test_seeded_sampling_is_reproducible():
     model = llama(seed=5)
     prompt = [[1, 2, 3, 4, 5]]
