@@ -34,6 +34,7 @@ from kvref.attention.paged_attention import (
     attend,
     visible_key_range,
 )
+from kvref.math_utils import cdiv
 
 
 class FlashInferPageTable(NamedTuple):
@@ -63,7 +64,7 @@ def to_flashinfer(block_table: torch.Tensor, seq_lens: torch.Tensor | Sequence[i
     for r, seq_len in enumerate(lens):
         if seq_len <= 0:
             raise ValueError(f"request {r}: seq_len must be positive, got {seq_len}")
-        num_pages = -(-seq_len // block_size)
+        num_pages = cdiv(seq_len, block_size)
         if num_pages > block_table.shape[1]:
             raise ValueError(f"request {r}: seq_len {seq_len} needs {num_pages} pages, "
                              f"block_table has {block_table.shape[1]} columns")

@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvref.math_utils import cdiv
 from kvref.worker.block_table import PAD_SLOT_ID
 
 
@@ -195,9 +196,9 @@ def check_batch(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: Se
         if not 0 <= q_len <= seq_lens[r]:
             raise ValueError(f"request {r}: query_len {q_len} must be in 0..seq_len "
                              f"{seq_lens[r]}")
-        if -(-seq_lens[r] // block_size) > block_table.shape[1]:
+        if cdiv(seq_lens[r], block_size) > block_table.shape[1]:
             raise ValueError(f"request {r}: seq_len {seq_lens[r]} needs "
-                             f"{-(-seq_lens[r] // block_size)} blocks of {block_size}, "
+                             f"{cdiv(seq_lens[r], block_size)} blocks of {block_size}, "
                              f"block_table has {block_table.shape[1]} columns")
 
 

@@ -41,8 +41,8 @@ from kvref.kv_cache_interface import (
 )
 from kvref.core.kv_cache_utils import KVCacheBlock
 from kvref.kv_events import BlockStored
+from kvref.math_utils import cdiv
 from kvref.request import Request, RequestStatus
-from kvref.core.single_type_kv_cache_manager import cdiv
 from kvref.stats import PrefixCacheStats
 
 

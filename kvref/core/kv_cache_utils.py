@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvref.hashing import sha256, sha256_cbor
-from kvref.kv_cache_interface import KVCacheConfig, KVCacheSpec, cdiv
+from kvref.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from kvref.math_utils import cdiv
 
 # A block hash is the 32 bytes a hash function returns. In the pool's index it
 # is followed by 4 big-endian bytes of the KV cache group id, so that groups

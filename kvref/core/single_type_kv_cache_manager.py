@@ -24,7 +24,6 @@ The managers here: ``FullAttentionManager``, ``SlidingWindowManager``,
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -38,11 +37,7 @@ from kvref.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from kvref.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for ``a`` tokens of ``b`` per block."""
-    return -(-a // b)
+from kvref.math_utils import cdiv
 
 
 class SingleTypeKVCacheManager:
@@ -338,11 +333,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.sliding_window = kv_cache_spec.sliding_window
 
     @staticmethod
-    def _contiguous_blocks_for_hit(sliding_window: int, block_size: int,
+    def num_contiguous_blocks_for_hit(sliding_window: int, block_size: int,
                                    use_eagle: bool) -> int:
-        """Cached blocks in a row that make a hit: enough to hold the
-        ``window - 1`` earlier tokens the next token reads, one more for EAGLE
-        (which drops it again)."""
+        """Cached blocks in a row that make a hit (vLLM's
+        ``sliding_window_contiguous_blocks``): enough to hold the ``window - 1``
+        earlier tokens the next token reads, one more for EAGLE (which drops it
+        again). ``kvref explain`` and the walkthroughs quote it from here."""
         return cdiv(sliding_window - 1, block_size) + (1 if use_eagle else 0)
 
     @classmethod
@@ -361,7 +357,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         shorter than the window needs no nulls).
         """
         block_size = kv_cache_spec.block_size
-        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
+        need = cls.num_contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
                                               drop_eagle_block)
         num_blocks = max_length // block_size
         computed = tuple([block_pool.null_block] * num_blocks for _ in kv_cache_group_ids)
@@ -408,7 +404,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         every run is one block further right.
         """
         block_size = kv_cache_spec.block_size
-        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
+        need = cls.num_contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
                                               use_eagle)
         per_segment = alignment_tokens // block_size
         if need >= per_segment:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from kvref.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from kvref.core.kv_cache_utils import BlockHashListWithBlockSize
+from kvref.core.single_type_kv_cache_manager import SlidingWindowManager
 from kvref.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvref.request import RequestStatus
 from kvref.verify.trace_replay import ALLOCATE_DEFAULTS
@@ -212,7 +213,8 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
             spec = groups[shortest].kv_cache_spec
             why = ""
             if isinstance(spec, SlidingWindowSpec):
-                need = -(-(spec.sliding_window - 1) // spec.block_size)
+                need = SlidingWindowManager.num_contiguous_blocks_for_hit(
+                    spec.sliding_window, spec.block_size, use_eagle=False)
                 why = (f": a window hit must end right after {need} cached window blocks "
                        "in a row, and no such run ends further right")
             lines.append(f"g{shortest} ({spec_label(spec)}) is what limits the hit to "

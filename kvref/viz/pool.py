@@ -21,10 +21,11 @@ Pools too large for that are drawn aggregated, one character per run of blocks
 from __future__ import annotations
 
 from collections import Counter
-from math import ceil
 
 from rich.console import Group
 from rich.text import Text
+
+from kvref.math_utils import cdiv
 
 NULL, USED, USED_CACHED, FREE_CACHED, FREE = "null", "used", "used_cached", "free_cached", "free"
 GLYPH = {NULL: "∅", USED: "●", USED_CACHED: "◉", FREE_CACHED: "○", FREE: "·"}
@@ -96,7 +97,7 @@ def render_grid(pool) -> Group:
         scale = Text(f"{len(blocks)} blocks, one character each (a digit: shared by that "
                      "many requests)", style="dim")
     else:
-        per_cell = ceil(len(blocks) / COMPACT_MAX_CELLS)
+        per_cell = cdiv(len(blocks), COMPACT_MAX_CELLS)
         cells = [blocks[i:i + per_cell] for i in range(0, len(blocks), per_cell)]
         for start in range(0, len(cells), COMPACT_PER_ROW):
             row = Text(f"{start * per_cell:>5} ", style="dim")

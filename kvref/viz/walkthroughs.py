@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from kvref.core.kv_cache_utils import get_request_block_hasher
+from kvref.core.single_type_kv_cache_manager import SlidingWindowManager
 from kvref.hashing import sha256
 from kvref.kv_cache_interface import (
     FullAttentionSpec,
@@ -32,6 +33,7 @@ from kvref.kv_cache_interface import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
+from kvref.math_utils import cdiv
 from kvref.request import Request, RequestStatus
 from kvref.verify.trace_record import RecordingKVCacheManager, make_header
 
@@ -312,7 +314,7 @@ class SlidingWindowWalkthrough(Walkthrough):
     def _a_arrives(self, tokens):
         hit, num_hit, new = self.arrive("A", tokens)
         self.claim("both groups allocate the same number of blocks",
-                   len(new[0]) == len(new[1]) == -(-len(tokens) // 4))
+                   len(new[0]) == len(new[1]) == cdiv(len(tokens), 4))
         return (f"Request A ({len(tokens)} tokens) arrives. Each group gets its own "
                 f"{len(new[0])} blocks from the one pool: full attention {_ids(new[0])}, "
                 f"sliding window {_ids(new[1])}.")
@@ -342,7 +344,7 @@ class SlidingWindowWalkthrough(Walkthrough):
         hit, num_hit, new = self.arrive("B", tokens)
         window_hit = hit[1]
         real = [b for b in window_hit if b != 0]
-        need = -(-(8 - 1) // 4)
+        need = SlidingWindowManager.num_contiguous_blocks_for_hit(8, 4, use_eagle=False)
         self.claim("the hit covers the system prompt", num_hit == len(self.SYSTEM))
         self.claim("the window hit is nulls then the last blocks",
                    window_hit[:len(window_hit) - need] == [0] * (len(window_hit) - need)

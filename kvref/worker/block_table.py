@@ -40,13 +40,10 @@ from collections.abc import Sequence
 
 import torch
 
+from kvref.math_utils import cdiv
+
 # The slot of a token that belongs to no request (a padded batch): never written.
 PAD_SLOT_ID = -1
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for ``a`` tokens of ``b`` per block."""
-    return -(-a // b)
 
 
 class BlockTable:
