@@ -235,6 +235,7 @@ class KVCacheManager:
            the blocks that are now full (only up to ``request.num_tokens``: draft
            tokens may be rejected), unless ``delay_cache_blocks``.
         """
+        # 1. Something to compute or to load.
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "external computed tokens")
@@ -253,6 +254,7 @@ class KVCacheManager:
                                                      RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
 
+        # 2. The full-sequence gate (nothing freed yet).
         if full_sequence_must_fit:
             full_len = min(request.num_tokens, self.max_model_len)
             needed = self.coordinator.get_num_blocks_to_allocate(
@@ -267,10 +269,12 @@ class KVCacheManager:
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens,
                                    self.max_model_len)
 
-        # Freeing first means fewer cached blocks get evicted below.
+        # 3. Free the blocks left of the attention window first: fewer cached
+        #    blocks get evicted below.
         self.coordinator.remove_skipped_blocks(request.request_id, total_computed,
                                                num_prompt_tokens=request.num_prompt_tokens)
 
+        # 4. The capacity gate: the blocks needed, the watermark, the reserved blocks.
         needed = self.coordinator.get_num_blocks_to_allocate(
             request_id=request.request_id, num_tokens=num_tokens_need_slot,
             new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,
@@ -280,7 +284,8 @@ class KVCacheManager:
         if needed + watermark_blocks > available:
             return None
 
-        # Identity, not equality: the shared empty answer means "no hit".
+        # 5. Take the hit (identity, not equality: the shared empty answer means
+        #    "no hit"), allocate, cache what is now full.
         if hit_blocks is not self.empty_kv_cache_blocks.blocks \
                 or num_external_computed_tokens > 0:
             self.coordinator.allocate_new_computed_blocks(
