@@ -82,6 +82,23 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
 
 
+@dataclass(slots=True)
+class AllocateSlotsGates:
+    """The numbers the last ``allocate_slots`` call weighed, step by step (kvref
+    only: ``kvref explain`` reads them, so it never re-derives the gates).
+
+    A field the call did not reach stays None (``num_freed_blocks``: 0).
+    """
+
+    watermark_blocks: int
+    num_free_blocks: int                      # when the call began
+    full_sequence_blocks: int | None = None   # step 2: the whole request's blocks
+    num_freed_blocks: int = 0                 # step 3: freed left of the window
+    num_blocks_needed: int | None = None      # step 4: blocks this call needs
+    num_available_blocks: int | None = None   # step 4: free minus reserved
+    refused_by: str | None = None             # "full-sequence" or "capacity"
+
+
 class KVCacheManager:
     """Allocates, caches and frees KV cache blocks for the scheduler's requests.
 
@@ -140,6 +157,7 @@ class KVCacheManager:
         # The one "no blocks" answer. allocate_slots recognises it by identity,
         # as vLLM's scheduler relies on.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self.last_allocate_slots: AllocateSlotsGates | None = None
 
     @property
     def usage(self) -> float:
@@ -253,6 +271,8 @@ class KVCacheManager:
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
                                                      RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
+        num_free_blocks = self.block_pool.get_num_free_blocks()
+        gates = self.last_allocate_slots = AllocateSlotsGates(watermark_blocks, num_free_blocks)
 
         # 2. The full-sequence gate (nothing freed yet).
         if full_sequence_must_fit:
@@ -262,7 +282,9 @@ class KVCacheManager:
                 new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,
                 total_computed_tokens=total_computed, num_tokens_main_model=full_len,
                 apply_admission_cap=True)
-            if needed + watermark_blocks > self.block_pool.get_num_free_blocks():
+            gates.full_sequence_blocks = needed
+            if needed + watermark_blocks > num_free_blocks:
+                gates.refused_by = "full-sequence"
                 return None
 
         num_tokens_main_model = total_computed + num_new_tokens
@@ -280,8 +302,12 @@ class KVCacheManager:
             new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,
             total_computed_tokens=num_local_computed + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model)
-        available = self.block_pool.get_num_free_blocks() - reserved_blocks
+        num_free_blocks_after = self.block_pool.get_num_free_blocks()
+        available = num_free_blocks_after - reserved_blocks
+        gates.num_freed_blocks = num_free_blocks_after - num_free_blocks
+        gates.num_blocks_needed, gates.num_available_blocks = needed, available
         if needed + watermark_blocks > available:
+            gates.refused_by = "capacity"
             return None
 
         # 5. Take the hit (identity, not equality: the shared empty answer means
