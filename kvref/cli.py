@@ -117,12 +117,22 @@ def cmd_viz(args, console: Console) -> int:
     player = _player(trace)
     if not player.ops:
         raise UsageError("kvref viz: the trace has no ops to show")
-    if args.export is None:
-        if args.step is not None or args.op is not None:
-            _seek(player, args)
-            console.print(render_frame(player))
-            return 0
-        return run_interactive(console, player)
+    if args.export is not None:
+        return _export(args, console, trace, player)
+    _seek(player, args)
+    if not args.no_interactive and sys.stdin.isatty() and sys.stdout.isatty():
+        from kvref.viz.app import run_app
+
+        return run_app(player, start_op=player.position - 1)
+    if args.step is not None or args.op is not None:
+        console.print(render_frame(player))
+        return 0
+    return run_interactive(console, player)
+
+
+def _export(args, console: Console, trace: dict, player) -> int:
+    from kvref.viz.panels import render_frame
+
     if not args.export.endswith((".svg", ".html")):
         raise UsageError(f"kvref viz: --export must end in .svg or .html, got {args.export!r}")
     _seek(player, args, default_last=True)
@@ -242,16 +252,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=cmd_demo)
 
     viz = sub.add_parser("viz", help="step through a trace or a workload",
-                         description="Step through a kvtrace/1 trace (or a workload) "
-                         "interactively: n/p step, +/- op, j N step N, o N op N, q quit. "
-                         "With --export, write one frame as SVG or HTML instead.")
+                         description="Step through a kvtrace/1 trace (or a workload) in a "
+                         "full-screen viewer: n/p step, ./, op, g step N, o op N, / request, "
+                         "b block, v bookkeeping, ? help, q quit. Not in a terminal (or with "
+                         "--no-interactive): typed commands, one per line (n, p, +, -, j N, "
+                         "o N, v, q), or the one frame --step/--op names. With --export, "
+                         "write one frame as SVG or HTML instead.")
     viz.add_argument("trace", nargs="?", help="a .json or .json.gz kvtrace/1 file")
     viz.add_argument("--workload", metavar="W", help=f"run a workload instead: {names}")
     viz.add_argument("--steps", type=int, metavar="N", help="with --workload: stop after N steps")
     viz.add_argument("--export", metavar="FILE", help="write the frame to FILE.svg or FILE.html")
     viz.add_argument("--step", type=int, metavar="N",
-                     help="the frame at the end of step N (default: the last with --export)")
-    viz.add_argument("--op", type=int, metavar="N", help="the frame right after op N")
+                     help="open at the end of step N (default: step 0; the last with --export)")
+    viz.add_argument("--op", type=int, metavar="N", help="open right after op N")
+    viz.add_argument("--no-interactive", action="store_true",
+                     help="text only, for pipes and CI: print the --step/--op frame, or read "
+                     "typed commands from stdin (automatic when not a terminal)")
     viz.set_defaults(run=cmd_viz)
 
     rec = sub.add_parser("record", help="write a workload as a kvtrace/1 trace",
