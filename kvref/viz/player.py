@@ -40,8 +40,8 @@ def read_trace(path: str) -> dict:
     except IsADirectoryError:
         raise TraceError(f"{path}: is a directory, not a trace file") from None
     except json.JSONDecodeError as exc:
-        raise TraceError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}); "
-                         "truncated or not a trace?") from None
+        # str(exc) reads "Unterminated string starting at: line 9 column 5 (char 2993)".
+        raise TraceError(f"{path}: not valid JSON ({exc}); truncated or not a trace?") from None
     except (EOFError, OSError, zlib.error, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from None
     check_trace_shape(trace, str(path))

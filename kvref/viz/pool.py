@@ -99,7 +99,8 @@ def render_grid(pool, width: int | None = None, selected: int | None = None,
                 row.append_text(mark(_detailed_cell(block), block.block_id))
                 row.append(" ")
             rows.append(row)
-        scale = Text(f"{len(blocks)} blocks, one cell each: id, state, ref count", style="dim")
+        scale = Text(f"{len(blocks)} blocks (block 0 is the null block), one cell each: id, state, "
+                     "ref count", style="dim")
         return _with_totals(pool, rows, scale)
     # One character per block (or per run of blocks), in rows of a multiple of 8.
     per_row = COMPACT_PER_ROW if width is None else max(8, (width - 6) // 8 * 8)
