@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import time
 
 from rich.console import Console
-from rich.live import Live
 from rich.progress import Progress
 from rich.rule import Rule
 
@@ -106,31 +104,22 @@ def _warn_if_recorded_answers_differ(trace: dict, shown_op: int | None, command:
 
 
 def cmd_demo(args, console: Console) -> int:
-    from kvref.viz.panels import render_frame, render_summary
+    from kvref.viz.demo import run_demo, terminal_waiter
+    from kvref.viz.panels import render_summary
     from kvref.viz.player import summarize
 
-    if args.pause < 0:
+    if args.pause is not None and args.pause < 0:
         raise UsageError(f"kvref demo: --pause must be >= 0, got {args.pause}")
     trace = _workload_trace(args.workload, args.steps)
     player = _player(trace)
     console.print(Rule(f"kvref demo: {args.workload}"))
     console.print(trace["generator"].get("description", ""), style="bold")
-    animate = not args.no_animate and console.is_terminal
-    if animate:
-        # A frame taller than the terminal is cut at the bottom while animating
-        # (the story and the grid come first); the last one is printed whole.
-        with Live(console=console, refresh_per_second=8, transient=True,
-                  vertical_overflow="ellipsis") as live:
-            for k in range(len(player.steps)):
-                player.seek_step(k)
-                live.update(render_frame(player, compact=True))
-                time.sleep(args.pause)
-        console.print(render_frame(player, compact=True))
-    else:
-        for k in range(len(player.steps)):
-            player.seek_step(k)
-            console.print(render_frame(player, compact=True))
-    console.print(render_summary(summarize(trace), title=f"summary of {args.workload}"))
+    wait = None if args.no_animate else terminal_waiter(console, args.pause)
+    shown = run_demo(console, player, wait)
+    title = f"summary of {args.workload}"
+    if shown < len(player.steps):
+        title += f" (all {len(player.steps)} steps, {shown} shown)"
+    console.print(render_summary(summarize(trace), title=title))
     return 0
 
 
@@ -308,17 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="watch the KV cache work, step by step, narrated",
-                          description="Run a workload and show every step (animated in a "
-                          "terminal), then a summary: hit rate, prompt tokens saved, "
-                          "evictions, preemptions.")
+                          description="Run a workload and print every step whole (the "
+                          "pictures, then what happened and why), waiting for a key between "
+                          "steps in a terminal (q stops), then a summary: hit rate, prompt "
+                          "tokens saved, evictions, preemptions. Not in a terminal it does "
+                          "not wait.")
     demo.add_argument("--workload", default="prefix-caching", metavar="W",
                       help=f"what to run (default prefix-caching): {names}")
     demo.add_argument("--steps", type=int, metavar="N", help="stop after N steps")
     demo.add_argument("--no-animate", action="store_true",
-                      help="print every step instead of animating (automatic when not a "
-                      "terminal)")
-    demo.add_argument("--pause", type=float, default=1.0, metavar="S",
-                      help="seconds per step when animating (default 1.0)")
+                      help="print every step without waiting (automatic when not a terminal)")
+    demo.add_argument("--pause", type=float, metavar="S",
+                      help="wait S seconds between steps instead of for a key")
     demo.set_defaults(run=cmd_demo)
 
     viz = sub.add_parser("viz", help="step through a trace or a workload",
