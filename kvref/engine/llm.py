@@ -1,7 +1,7 @@
 """``LLM``: the offline entry point, generating with kvref's KV cache manager.
 
-Mirrors ``vllm/entrypoints/llm.py`` (``LLM.generate``) together with the engine
-loop of ``vllm/v1/engine/core.py`` (``EngineCore.step``): every step the
+Mirrors ``vllm/entrypoints/llm.py`` (``LLM.generate``); each ``LLM.step`` is
+one ``EngineCore.step`` (``core.py``, vLLM's ``vllm/v1/engine/core.py``): the
 scheduler plans a batch over ``kvref.KVCacheManager``, the model runner runs it
 over the paged KV cache, and the scheduler takes the sampled tokens back::
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvref import KVCacheManager, SlidingWindowSpec
+from kvref.engine.core import EngineCore
 from kvref.engine.loader import load_model
 from kvref.engine.model_runner import GPUModelRunner, make_kv_cache_config
 from kvref.engine.ngram_proposer import NgramProposer
@@ -136,6 +137,7 @@ class LLM:
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_seqs,
             device=self.device, dtype=self.dtype, keep_logits=keep_logits,
             drafter=self._make_drafter(speculative_config))
+        self.engine_core = EngineCore(self.scheduler, self.model_runner)
         self.after_step: list[Callable[[LLM], None]] = []
         self._logits: dict[str, list[torch.Tensor]] = {}
         self._next_request_id = 0
@@ -192,15 +194,12 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        for req_id, logits in runner_output.logits.items():
+        step = self.engine_core.step()
+        for req_id, logits in step.model_runner_output.logits.items():
             self._logits.setdefault(req_id, []).extend(logits)
-        finished = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.scheduler.update_draft_token_ids(self.model_runner.take_draft_token_ids())
         for hook in self.after_step:
             hook(self)
-        return [self._make_output(req) for req in finished]
+        return [self._make_output(req) for req in step.finished]
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams
                  | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

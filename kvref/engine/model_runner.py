@@ -18,7 +18,8 @@ sampled, unless the step ended inside its prompt (a cut prefill).
 
 Unlike vLLM, the batch is not persistent: every step re-writes the block-table
 rows of the scheduled requests from the block ids the runner keeps per request
-(``RunnerRequestStates``), which is what vLLM's persistent batch amounts to.
+(``RunnerRequestStates``, ``gpu_input_batch.py``), which is what vLLM's
+persistent batch amounts to.
 
 KV cache layout: one ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
 tensor per layer position, shared by the ``j``-th layer of every KV cache group
@@ -54,8 +55,10 @@ import torch
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from kvref.attention import make_kv_cache
 from kvref.engine.model import AttentionMetadata, ModelConfig, TransformerForCausalLM
-from kvref.engine.model_free_runner import RunnerRequestState, RunnerRequestStates
-from kvref.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from kvref.engine.gpu_input_batch import CachedRequestState, RunnerRequestStates
+from kvref.engine.ngram_proposer import NgramProposer
+from kvref.engine.outputs import ModelRunnerOutput
+from kvref.engine.sched_output import SchedulerOutput
 from kvref.worker import MultiGroupBlockTable
 
 __all__ = ["GPUModelRunner", "layer_name", "make_kv_cache_config"]
@@ -98,7 +101,7 @@ class _Batch:
     logits_indices: torch.Tensor       # [num_logits]: rows whose next token is sampled
     # Per request that samples: its state, its draft, and its rows of logits_indices
     # (the last known token, then each draft token: len(draft) + 1 rows).
-    sampling: list[tuple[RunnerRequestState, list[int], slice]]
+    sampling: list[tuple[CachedRequestState, list[int], slice]]
     attn_metadata: list[AttentionMetadata]   # per layer
 
 
@@ -119,7 +122,7 @@ class GPUModelRunner(RunnerRequestStates):
     def __init__(self, model: TransformerForCausalLM, kv_cache_config: KVCacheConfig, *,
                  max_model_len: int, max_num_batched_tokens: int, max_num_reqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 keep_logits: bool = False, drafter=None) -> None:
+                 keep_logits: bool = False, drafter: NgramProposer | None = None) -> None:
         super().__init__(drafter)
         self.model = model
         self.kv_cache_config = kv_cache_config
@@ -155,7 +158,7 @@ class GPUModelRunner(RunnerRequestStates):
         by_name = {name: tensors[j] for g in groups for j, name in enumerate(g.layer_names)}
         return [by_name[layer_name(i)] for i in range(config.num_hidden_layers)]
 
-    def on_new_request(self, state: RunnerRequestState) -> None:
+    def on_new_request(self, state: CachedRequestState) -> None:
         params = state.sampling_params
         if params is not None and params.temperature > 0.0:
             state.generator = torch.Generator(device=self.device)
@@ -196,7 +199,7 @@ class GPUModelRunner(RunnerRequestStates):
                              tokens)
         return output
 
-    def _prepare_inputs(self, states: list[RunnerRequestState],
+    def _prepare_inputs(self, states: list[CachedRequestState],
                         num_scheduled_tokens: dict[str, int],
                         drafts: dict[str, list[int]]) -> _Batch:
         input_ids: list[int] = []
@@ -204,7 +207,7 @@ class GPUModelRunner(RunnerRequestStates):
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        sampling: list[tuple[RunnerRequestState, list[int], slice]] = []
+        sampling: list[tuple[CachedRequestState, list[int], slice]] = []
         for row, state in enumerate(states):
             n = num_scheduled_tokens[state.req_id]
             draft = drafts.get(state.req_id, [])
@@ -242,7 +245,7 @@ class GPUModelRunner(RunnerRequestStates):
             sampling=sampling,
             attn_metadata=[per_group[g] for g in self.layer_to_group])
 
-    def _sample(self, logits: torch.Tensor, state: RunnerRequestState) -> list[int]:
+    def _sample(self, logits: torch.Tensor, state: CachedRequestState) -> list[int]:
         """One token per row of ``logits [rows, vocab]``: argmax at temperature 0,
         else softmax sampling with the request's own RNG."""
         params = state.sampling_params

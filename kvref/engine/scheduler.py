@@ -6,7 +6,15 @@ scheduling; speculative decoding only with draft tokens that need no KV
 lookahead slots (the n-gram proposer), and without vLLM's padding of a
 re-admitted one-token decode to ``1 + k`` tokens (a CUDA-graph shape). What
 is left is the part that drives the KV cache manager, in vLLM's order and
-with vLLM's calls::
+with vLLM's calls.
+
+There is no prefill phase and no decode phase. Each request has
+``num_computed_tokens`` (tokens whose KV is in the cache, or will be once
+this step runs) and ``num_tokens_with_spec`` (prompt + outputs + draft
+tokens), and each step gives a request some of the difference: a whole or
+cut prompt, one decode token, a decode token plus drafts, or a resumed
+request's recomputation are all the same thing, the first number catching up
+with the second::
 
     schedule()
       1. RUNNING requests, in admission order. Each wants
@@ -37,14 +45,16 @@ with vLLM's calls::
     update_draft_token_ids(drafts)
       draft tokens for the next step (decoding requests only).
 
-Use it with any runner that turns a ``SchedulerOutput`` into a
-``ModelRunnerOutput``: ``kvref.engine.model_runner.GPUModelRunner`` runs a
-real model; ``kvref.engine.model_free_runner.ModelFreeRunner`` emits
-deterministic tokens with no model at all::
+Use it with any runner that turns a ``SchedulerOutput`` (``sched_output.py``)
+into a ``ModelRunnerOutput`` (``outputs.py``), stepped by ``EngineCore``
+(``core.py``): ``kvref.engine.model_runner.GPUModelRunner`` runs a real model;
+``kvref.engine.model_free_runner.ModelFreeRunner`` emits deterministic tokens
+with no model at all::
 
     >>> from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
     ...                    KVCacheManager)
-    >>> from kvref.engine.model_free_runner import ModelFreeRunner, engine_step
+    >>> from kvref.engine.core import engine_step
+    >>> from kvref.engine.model_free_runner import ModelFreeRunner
     >>> config = KVCacheConfig(16, [KVCacheGroupSpec(["l0"], FullAttentionSpec(4))])
     >>> manager = KVCacheManager(config, max_model_len=64, scheduler_block_size=4,
     ...                          hash_block_size=4)
@@ -73,83 +83,19 @@ API summary (what other code relies on):
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import sys
-
 from kvref import (KVCacheBlocks, KVCacheManager, RequestStatus, get_request_block_hasher,
                    init_none_hash, sha256)
+from kvref.engine.outputs import ModelRunnerOutput
 from kvref.engine.request import EngineRequest, check_stop
 from kvref.engine.sampling_params import SamplingParams
+from kvref.engine.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 
-__all__ = ["CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Scheduler",
-           "SchedulerOutput", "SchedulerStats", "StepRecord"]
-
-
-# ---------------------------------------------------------------------------
-# What the scheduler hands the runner (vllm/v1/core/sched/output.py)
-
-
-@dataclass(slots=True)
-class NewRequestData:
-    """A request the runner has not seen (or has forgotten): everything it needs."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: tuple[list[int], ...]      # per KV cache group
-    num_computed_tokens: int              # the prefix hit: tokens already in the cache
-
-
-@dataclass(slots=True)
-class CachedRequestData:
-    """Requests the runner already holds: only what changed since last step.
-
-    Parallel lists, one entry per request. ``new_block_ids[i]`` is None when
-    no block was added; for a resumed request it is the whole new table.
-    ``all_token_ids`` holds the full token list of requests that were not
-    scheduled in the previous step (vLLM sends it for the KV connector and for
-    async scheduling; kvref's runners keep their own copy and do not need it).
-    """
-
-    req_ids: list[str] = field(default_factory=list)
-    resumed_req_ids: set[str] = field(default_factory=set)
-    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)
-    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan. ``num_scheduled_tokens`` is in batch order."""
-
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: CachedRequestData
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    scheduled_spec_decode_tokens: dict[str, list[int]]   # draft tokens, after the real ones
-    num_common_prefix_blocks: list[int]
-    preempted_req_ids: set[str]
-    finished_req_ids: set[str]            # finished since the previous step
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """What the runner returns (``vllm/v1/outputs.py``).
-
-    ``sampled_token_ids[req_id_to_index[r]]`` is ``[token]`` for a request whose
-    scheduled tokens reached its last token, ``[]`` for a cut prefill chunk;
-    with draft tokens, the accepted drafts and then one token of the model's.
-    ``logits`` (optional) maps a request id to the ``[num_sampled, vocab]``
-    logits its sampled tokens were drawn from.
-    """
-
-    req_ids: list[str]
-    req_id_to_index: dict[str, int]
-    sampled_token_ids: list[list[int]]
-    logits: dict[str, object] = field(default_factory=dict)
+__all__ = ["Scheduler", "SchedulerStats", "StepRecord"]
 
 
 # ---------------------------------------------------------------------------
