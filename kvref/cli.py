@@ -164,21 +164,30 @@ def cmd_viz(args, console: Console) -> int:
 
 
 def _export(args, console: Console, trace: dict, player) -> int:
+    """``.svg``: one frame, as the terminal draws it. ``.html``: the whole trace as a
+    self-contained player page (``kvref.viz.html_player``), opening at --step/--op."""
     from kvref.viz.panels import render_frame
 
     if not args.export.endswith((".svg", ".html")):
         raise UsageError(f"kvref viz: --export must end in .svg or .html, got {args.export!r}")
-    _seek(player, args, default_last=True)
+    chosen = args.step is not None or args.op is not None
+    _seek(player, args, default_last=args.export.endswith(".svg"))
     if args.trace:
         _warn_if_recorded_answers_differ(trace, player.position - 1, "kvref viz")
-    recorder = Console(record=True, width=80, file=io.StringIO(), force_terminal=True)
-    recorder.print(render_frame(player))
-    title = f"kvref viz: {trace.get('name', 'trace')}"
     try:
-        if args.export.endswith(".svg"):
-            recorder.save_svg(args.export, title=title)
-        else:
-            recorder.save_html(args.export)
+        if args.export.endswith(".html"):
+            from kvref.viz.html_player import write_player
+
+            size = write_player(trace, args.export,
+                                start_op=player.position - 1 if chosen else None)
+            console.print(f"wrote {args.export}: a player of {len(player.ops)} ops in "
+                          f"{len(player.steps)} steps, {size / 1000:.0f} kB, no network "
+                          f"needed (opens at step {player.current_step}, "
+                          f"op {player.position - 1})")
+            return 0
+        recorder = Console(record=True, width=80, file=io.StringIO(), force_terminal=True)
+        recorder.print(render_frame(player))
+        recorder.save_svg(args.export, title=f"kvref viz: {trace.get('name', 'trace')}")
     except OSError as exc:
         raise UsageError(f"kvref viz: cannot write {args.export}: {exc.strerror}") from None
     console.print(f"wrote {args.export} (step {player.current_step}, op {player.position - 1})")
@@ -322,9 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     viz.add_argument("trace", nargs="?", help="a .json or .json.gz kvtrace/1 file")
     viz.add_argument("--workload", metavar="W", help=f"run a workload instead: {names}")
     viz.add_argument("--steps", type=int, metavar="N", help="with --workload: stop after N steps")
-    viz.add_argument("--export", metavar="FILE", help="write the frame to FILE.svg or FILE.html")
+    viz.add_argument("--export", metavar="FILE",
+                     help="FILE.svg: write one frame; FILE.html: write the whole trace as a "
+                     "self-contained player page (keys, sliders, hover details; no network)")
     viz.add_argument("--step", type=int, metavar="N",
-                     help="open at the end of step N (default: step 0; the last with --export)")
+                     help="open at the end of step N (default: step 0; with --export F.svg: the last)")
     viz.add_argument("--op", type=int, metavar="N", help="open right after op N")
     viz.add_argument("--no-interactive", action="store_true",
                      help="text only, for pipes and CI: print the --step/--op frame, or read "
