@@ -224,10 +224,7 @@ def paged_attention_with_lse(query: torch.Tensor, kv_cache: torch.Tensor, *,
     """``paged_attention`` that also returns each query's log-sum-exp (for cascades)."""
     starts, lens = _as_ints(query_start_loc), _as_ints(seq_lens)
     check_batch(query, kv_cache, starts, lens, block_table)
-    for name, v in (("sliding_window", sliding_window),
-                    ("attention_chunk_size", attention_chunk_size)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+    check_window_args(sliding_window, attention_chunk_size)
     num_tokens, num_heads, head_size = query.shape
     device = kv_cache.device
     out_dtype = query.dtype
@@ -248,19 +245,27 @@ def paged_attention_with_lse(query: torch.Tensor, kv_cache: torch.Tensor, *,
                                  attention_chunk_size)
         k_pos = torch.arange(first.start, max(last.stop, first.stop), device=device)
         key, value = gather_kv(kv_cache, block_table[r], k_pos)
-        mask = _visibility_mask(q_pos, k_pos, seq_len, causal, sliding_window,
-                                attention_chunk_size)
+        mask = visibility_mask(q_pos[:, None], k_pos[None, :], seq_len, causal,
+                               sliding_window, attention_chunk_size)
         res = attend(query[q_start:q_end].to(device), key, value, mask, scale)
         output[q_start:q_end] = res.output.to(out_dtype)
         lse[q_start:q_end] = res.lse.float()
     return AttentionOutput(output, lse)
 
 
-def _visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: int, causal: bool,
-                     sliding_window: int | None, attention_chunk_size: int | None
-                     ) -> torch.Tensor:
-    """``[q, k]`` bool: the three rules of the module docstring, elementwise."""
-    q, k = q_pos[:, None], k_pos[None, :]
+def check_window_args(sliding_window: int | None, attention_chunk_size: int | None) -> None:
+    for name, v in (("sliding_window", sliding_window),
+                    ("attention_chunk_size", attention_chunk_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+
+
+def visibility_mask(q: torch.Tensor, k: torch.Tensor, seq_len: int | torch.Tensor,
+                    causal: bool, sliding_window: int | None,
+                    attention_chunk_size: int | None) -> torch.Tensor:
+    """Bool, True where a query at position ``q`` may see the key at ``k``: the
+    three rules of the module docstring, elementwise (``q``, ``k`` and ``seq_len``
+    broadcast: ``q_pos[:, None]`` against ``k_pos[None, :]`` gives ``[q, k]``)."""
     mask = k < seq_len
     if causal:
         mask = mask & (k <= q)

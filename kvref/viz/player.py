@@ -79,6 +79,8 @@ class OpFacts:
     newly_cached: list[int] = field(default_factory=list)
     hit_tokens: int | None = None      # get_computed_blocks: tokens hit
     query_tokens: int | None = None    # get_computed_blocks: the request's tokens
+    touched: list[int] = field(default_factory=list)    # blocks whose ref count, hash or
+                                                        # free-queue membership changed
 
     @property
     def is_preemption(self) -> bool:
@@ -131,6 +133,11 @@ class TracePlayer:
         self.history: list[StepStats] = []
         self._queries = self._hits = 0
         self._state = self.replayer.initial_observation()["state"]
+        # block id -> the ops that touched it; cached block id -> its parent in the
+        # hash chain (hex hash, or None for a request's first block); request -> its ops.
+        self.touches: dict[int, list[int]] = {}
+        self.parents: dict[int, str | None] = {}
+        self.request_ops: dict[str, list[int]] = {}
 
     @property
     def manager(self):
@@ -199,6 +206,16 @@ class TracePlayer:
         facts = OpFacts(index, op, observed)
         hashed_before, hashed_after = set(before["hashed"]), set(after["hashed"])
         facts.newly_cached = sorted(hashed_after - hashed_before)
+        facts.touched = _touched(before, after)
+        for block_id in facts.touched:
+            self.touches.setdefault(block_id, []).append(index)
+        for block_id in hashed_before - hashed_after:
+            self.parents.pop(block_id, None)
+        if req is not None:
+            self.request_ops.setdefault(req.request_id, []).append(index)
+            self._remember_parents(req, facts.newly_cached)
+        elif op["op"] == "add_request":
+            self.request_ops.setdefault(op["req"], []).append(index)
         ret = observed.get("ret")
         if op["op"] == "allocate_slots" and ret:
             facts.evicted = [b for group in ret for b in group if b in hashed_before]
@@ -218,12 +235,35 @@ class TracePlayer:
         if self.position == self.steps[step][1]:
             self.history.append(self._step_stats(step))
 
+    def _remember_parents(self, req, newly_cached: list[int]) -> None:
+        """A block's parent is the hash before its own in the request that cached it."""
+        if not newly_cached:
+            return
+        pool = self.manager.block_pool
+        new = set(newly_cached)
+        for stm in self.manager.coordinator.single_type_managers:
+            blocks = stm.req_to_blocks.get(req.request_id, [])
+            hashes = pool._hashes_at_block_size(req, stm.block_size)
+            for i, block in enumerate(blocks):
+                if block.block_id in new:
+                    self.parents[block.block_id] = hashes[i - 1].hex() if i else None
+
     def _step_stats(self, step: int) -> StepStats:
         pool = self.manager.block_pool
         evictable = sum(1 for b in pool.free_block_queue.get_all_free_blocks()
                         if b.block_hash is not None)
         return StepStats(step, pool.get_usage(), evictable, pool.get_num_free_blocks(),
                          self._queries, self._hits)
+
+
+def _touched(before: dict, after: dict) -> list[int]:
+    """Blocks whose ref count, hash or free-queue membership differ between two digests."""
+    ref_before, ref_after = dict(map(tuple, before["ref"])), dict(map(tuple, after["ref"]))
+    changed = {b for b in ref_before.keys() | ref_after.keys()
+               if ref_before.get(b) != ref_after.get(b)}
+    changed |= set(before["hashed"]) ^ set(after["hashed"])
+    changed |= set(before["free"]) ^ set(after["free"])
+    return sorted(changed)
 
 
 @dataclass
