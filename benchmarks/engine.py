@@ -72,9 +72,6 @@ def make_model(name: str, seed: int = 0):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def tiny_llama(seed: int = 0):
-    """The toy model (kept for callers of the earlier benchmark)."""
-    return make_model("toy", seed)
 
 
 def make_prompts(n: int, vocab: int, shared: bool, seed: int = 0) -> list[list[int]]:
