@@ -45,24 +45,28 @@ def demo_frame(player: TracePlayer) -> Group:
     return Group(*parts)
 
 
-def read_key() -> str:
-    """One key press from the terminal, without Enter (Enter where termios is missing)."""
+def read_key(prompt: Callable[[], None] = lambda: None) -> str:
+    """Show ``prompt`` and read one key press, without Enter (Enter where termios is
+    missing). The terminal leaves line mode before the prompt is shown, and keeps
+    what was typed ahead, so no key pressed once the prompt is visible is lost."""
     try:
         import termios
         import tty
     except ImportError:                                     # not a POSIX terminal
+        prompt()
         return (input() or "\n")[:1]
     fd = sys.stdin.fileno()
     saved = termios.tcgetattr(fd)
     try:
-        tty.setcbreak(fd)
+        tty.setcbreak(fd, termios.TCSANOW)       # TCSANOW: do not flush typed-ahead keys
+        prompt()
         return sys.stdin.read(1)
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 def terminal_waiter(console: Console, pause: float | None,
-                    key: Callable[[], str] = read_key) -> Waiter | None:
+                    key: Callable[[Callable[[], None]], str] = read_key) -> Waiter | None:
     """How to wait between steps: ``pause`` seconds if given; else a key press when
     both ends are a terminal; else (a pipe, CI) not at all (``None``)."""
     if pause is not None:
@@ -74,9 +78,10 @@ def terminal_waiter(console: Console, pause: float | None,
         return None
 
     def wait(prompt: str) -> bool:
-        console.print(Text(prompt, style="reverse"), end="")
-        console.file.flush()
-        pressed = key()
+        def show() -> None:
+            console.print(Text(prompt, style="reverse"), end="")
+            console.file.flush()
+        pressed = key(show)
         console.file.write("\r\x1b[2K")         # the prompt goes; the frame stays
         console.file.flush()
         return pressed.lower() != "q"
