@@ -5,8 +5,8 @@ read an earlier one; nothing is redrawn over it or cut to fit): first the
 pictures (grid, free queue, block tables, prefix tree, figures), then the
 step's ops and its narration, right above the prompt, so what to read is where
 the eyes are when the demo waits. Between steps it waits for a key in a
-terminal (``q`` stops), or ``pause`` seconds, or not at all when the output is
-not a terminal (a pipe, CI)::
+terminal (``q`` stops), or ``pause`` seconds; when the output is not a terminal
+(a pipe, CI) it does not wait at all::
 
     run_demo(console, TracePlayer(trace), wait=terminal_waiter(pause=None))
 """
@@ -45,38 +45,46 @@ def demo_frame(player: TracePlayer) -> Group:
     return Group(*parts)
 
 
-def read_key() -> str:
-    """One key press from the terminal, without Enter (Enter where termios is missing)."""
+def read_key(prompt: Callable[[], None] = lambda: None) -> str:
+    """Show ``prompt`` and read one key press, without Enter (Enter where termios is
+    missing). The terminal leaves line mode before the prompt is shown, and keeps
+    what was typed ahead, so no key pressed once the prompt is visible is lost."""
     try:
         import termios
         import tty
     except ImportError:                                     # not a POSIX terminal
+        prompt()
         return (input() or "\n")[:1]
     fd = sys.stdin.fileno()
     saved = termios.tcgetattr(fd)
     try:
-        tty.setcbreak(fd)
+        tty.setcbreak(fd, termios.TCSANOW)       # TCSANOW: do not flush typed-ahead keys
+        prompt()
         return sys.stdin.read(1)
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 def terminal_waiter(console: Console, pause: float | None,
-                    key: Callable[[], str] = read_key) -> Waiter | None:
-    """How to wait between steps: ``pause`` seconds if given; else a key press when
-    both ends are a terminal; else (a pipe, CI) not at all (``None``)."""
+                    key: Callable[[Callable[[], None]], str] = read_key) -> Waiter | None:
+    """How to wait between steps when the output is a terminal: ``pause`` seconds if
+    given, else a key press (if the input is a terminal too). Into a pipe or a file
+    (CI), not at all: ``None``."""
+    if not console.is_terminal:
+        return None
     if pause is not None:
         def sleep(_prompt: str) -> bool:
             time.sleep(pause)
             return True
         return sleep
-    if not (console.is_terminal and sys.stdin.isatty()):
+    if not sys.stdin.isatty():
         return None
 
     def wait(prompt: str) -> bool:
-        console.print(Text(prompt, style="reverse"), end="")
-        console.file.flush()
-        pressed = key()
+        def show() -> None:
+            console.print(Text(prompt, style="reverse"), end="")
+            console.file.flush()
+        pressed = key(show)
         console.file.write("\r\x1b[2K")         # the prompt goes; the frame stays
         console.file.flush()
         return pressed.lower() != "q"
