@@ -36,13 +36,15 @@ __all__ = ["CompletionOutput", "LLM", "RequestOutput"]
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence (``vllm/outputs.py``). ``logits``: one
-    ``[vocab]`` float32 tensor per generated token, when the LLM keeps them."""
+    """One generated sequence (``vllm/outputs.py``). ``stop_reason``: the stop
+    token that ended it (None for EOS or a length cap, as in vLLM). ``logits``:
+    one ``[vocab]`` float32 tensor per generated token, when the LLM keeps them."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None
     logits: list[torch.Tensor] = field(default_factory=list)
+    stop_reason: int | None = None
 
 
 @dataclass
@@ -225,6 +227,7 @@ class LLM:
         tokens = list(request.output_token_ids)
         # A stop inside an accepted draft drops its tail: drop those logits too.
         logits = self._logits.pop(request.request_id, [])[:len(tokens)]
-        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits)
+        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits,
+                                      request.stop_reason)
         return RequestOutput(request.request_id, list(request.prompt_token_ids),
                              [completion], True, request.num_cached_tokens)

@@ -54,7 +54,8 @@ import torch
 
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from kvref.attention import PagedAttentionPlan, make_kv_cache
-from kvref.engine.model import AttentionMetadata, ModelConfig, TransformerForCausalLM
+from kvref.engine.model import AttentionMetadata, TransformerForCausalLM
+from kvref.engine.model_config import ModelConfig
 from kvref.engine.gpu_input_batch import CachedRequestState, RunnerRequestStates
 from kvref.engine.ngram_proposer import NgramProposer
 from kvref.engine.outputs import ModelRunnerOutput
