@@ -175,3 +175,30 @@ def test_core_imports_only_down_the_core_the_vocabulary_and_the_checker():
     for name in VOCABULARY:
         stray = {m for m in _kvref_imports(modules[name]) if m.startswith("kvref.core")}
         assert not stray, f"{name} is vocabulary: it must not import the core ({stray})"
+
+
+# -- private stays private ----------------------------------------------------------
+
+def private_imports(tree: ast.AST, folder: pathlib.Path) -> list[str]:
+    """``from module import _name`` where the module is ours (``kvref``, a relative
+    import, or a file next to the importer): a private helper used outside its
+    module. (tools/ may reach into vLLM's privates: that is vLLM's code.)"""
+    def ours(node: ast.ImportFrom) -> bool:
+        top = (node.module or "").split(".")[0]
+        return node.level > 0 or top == "kvref" or (folder / f"{top}.py").exists()
+
+    return [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and ours(node)
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_the_private_import_finder_finds_one():
+    tree = ast.parse("from kvref.attention.paged_attention import _as_ints, attend\n"
+                     "from __future__ import annotations\nfrom _lesson import claim\n"
+                     "from vllm.v1.spec_decode.ngram_proposer import _private\n")
+    assert private_imports(tree, REPO / "tutorials") == ["_as_ints"]
+
+
+def test_no_underscore_name_is_imported_across_modules():
+    found = [f"{p.relative_to(REPO).as_posix()}: {name}" for p in _repo_sources()
+             for name in private_imports(ast.parse(p.read_text(encoding="utf-8")), p.parent)]
+    assert found == [], "a helper another module needs is public (drop the underscore)"

@@ -19,18 +19,19 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvref.core.block_pool import BlockPool
+from kvref.core.kv_cache_utils import BlockHash, BlockHashListWithBlockSize, KVCacheBlock
+from kvref.core.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
 from kvref.kv_cache_interface import (
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
 )
-from kvref.core.kv_cache_utils import BlockHashListWithBlockSize, KVCacheBlock
-from kvref.core.single_type_kv_cache_manager import (
-    CrossAttentionManager,
-    SingleTypeKVCacheManager,
-    get_manager_for_kv_cache_spec,
-)
+from kvref.request import Request
 
 HitBlocks = tuple[list[KVCacheBlock], ...]
 
@@ -125,7 +126,7 @@ class KVCacheCoordinator(ABC):
                 num_tokens_main_model)
             for m in self.single_type_managers)
 
-    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for manager in self.single_type_managers:
             manager.cache_blocks(request, num_computed_tokens)
 
@@ -157,7 +158,7 @@ class KVCacheCoordinator(ABC):
             manager.new_step_starts()
 
     @abstractmethod
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int]:
         """``(hit blocks per group, hit length in tokens)``."""
 
@@ -175,7 +176,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * len(self.single_type_managers)
 
-    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int]:
         return tuple([] for _ in self.single_type_managers), 0
 
 
@@ -195,7 +197,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                              f"({self.block_size})")
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
 
-    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int]:
         hit = self.single_type_managers[0].find_longest_cache_hit(
             block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec,
             drop_eagle_block=0 in self.eagle_group_ids, alignment_tokens=self.block_size)
@@ -286,12 +289,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self.single_type_managers[gid].use_eagle = spec_group.use_eagle
         return by_spec
 
-    def _hashes_for(self, spec: KVCacheSpec, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
+    def _hashes_for(self, spec: KVCacheSpec,
+                    block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
         if spec.block_size == self.hash_block_size:
             return block_hashes
         return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
 
-    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary only: hits
         never end elsewhere. EAGLE groups cache one block further, since they
         look one block past a boundary and then drop it."""
@@ -302,7 +306,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 num_tokens = min(num_computed_tokens, aligned + manager.block_size)
             manager.cache_blocks(request, num_tokens)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int]:
         """The longest hit all groups accept (the fixed point in the module docstring).
 
@@ -360,7 +364,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return (tuple(blocks if blocks is not None else [] for blocks in hit_blocks_by_group),
                 hit_length)
 
-    def find_longest_cache_hit_per_group(self, block_hashes: Sequence[bytes],
+    def find_longest_cache_hit_per_group(self, block_hashes: Sequence[BlockHash],
                                          max_cache_hit_length: int
                                          ) -> tuple[HitBlocks, tuple[int, ...]]:
         """Each spec group's own longest hit, without agreeing (vLLM's scheduler

@@ -408,7 +408,7 @@ class KVCacheManager:
         """The scheduler starts a step (Mamba: this step's cached states become hittable)."""
         self.coordinator.new_step_starts()
 
-    def check_valid(self, popped_blocks=()) -> None:
+    def check_valid(self, popped_blocks: Sequence[Sequence[KVCacheBlock]] = ()) -> None:
         """Assert every invariant of ``specs/`` that one snapshot can show: pool,
         free queue, index and every group's block tables (an expensive no-op
         when all is well). ``popped_blocks``: lists from ``pop_blocks_for_free``

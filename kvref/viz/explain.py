@@ -21,6 +21,7 @@ runs and what changed is told::
 
 from __future__ import annotations
 
+from kvref.core.block_pool import BlockPool
 from kvref.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from kvref.core.kv_cache_manager import AllocateSlotsGates
 from kvref.core.kv_cache_utils import BlockHashListWithBlockSize
@@ -29,7 +30,7 @@ from kvref.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvref.request import Request, RequestStatus
 from kvref.verify.trace_replay import ALLOCATE_DEFAULTS
 from kvref.viz.panels import describe_op
-from kvref.viz.player import TracePlayer
+from kvref.viz.player import OpFacts, TracePlayer
 from kvref.viz.tables import compress_ids, spec_label
 
 
@@ -126,7 +127,7 @@ def _free_hit_blocks(player: TracePlayer, op: dict) -> int:
 
 
 def _allocate_gates(gates: AllocateSlotsGates | None, status: RequestStatus, op: dict,
-                    free_hits: int, facts) -> list[str]:
+                    free_hits: int, facts: OpFacts) -> list[str]:
     """The gates as the manager weighed them (``KVCacheManager.last_allocate_slots``)."""
     if gates is None:
         raised = facts.observed.get("raises")
@@ -164,7 +165,7 @@ def _allocate_gates(gates: AllocateSlotsGates | None, status: RequestStatus, op:
     return lines
 
 
-def _hit_reasons(player: TracePlayer, req) -> list[str]:
+def _hit_reasons(player: TracePlayer, req: Request) -> list[str]:
     m = player.manager
     coordinator, pool = m.coordinator, m.block_pool
     if not m.enable_caching:
@@ -242,7 +243,7 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
     return lines
 
 
-def _why_never_cached(player: TracePlayer, req, block: int, bs: int) -> str:
+def _why_never_cached(player: TracePlayer, req: Request, block: int, bs: int) -> str:
     """Compare with the earlier request sharing the most leading tokens."""
     mine = list(req.all_token_ids)
     best_req, best = None, -1
@@ -273,13 +274,14 @@ def _why_never_cached(player: TracePlayer, req, block: int, bs: int) -> str:
             "hashes)")
 
 
-def _num_cached(pool, free_only: bool = False) -> int:
+def _num_cached(pool: BlockPool, free_only: bool = False) -> int:
     return sum(1 for b in pool.blocks if b.block_hash is not None
                and not (free_only and b.ref_cnt > 0))
 
 
-def _explain_after(player: TracePlayer, op: dict, facts, queue_before,
-                   held_before) -> list[str]:
+def _explain_after(player: TracePlayer, op: dict, facts: OpFacts,
+                   queue_before: list[tuple[int, bool]],
+                   held_before: tuple[list[int], ...]) -> list[str]:
     name, ret = op["op"], facts.observed.get("ret")
     lines: list[str] = []
     if name == "get_computed_blocks" and ret is not None:

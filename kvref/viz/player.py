@@ -22,6 +22,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 
+from kvref.request import Request
 from kvref.verify.trace_replay import TRACE_FORMAT, MalformedTrace, TraceReplayer
 
 
@@ -48,7 +49,7 @@ def read_trace(path: str) -> dict:
     return trace
 
 
-def check_trace_shape(trace, where: str = "trace") -> None:
+def check_trace_shape(trace: dict, where: str = 'trace') -> None:
     """The parts every reader relies on: format, header, a list of ops with names."""
     if not isinstance(trace, dict):
         raise TraceError(f"{where}: a kvtrace/1 trace is a JSON object, "
@@ -235,7 +236,7 @@ class TracePlayer:
         if self.position == self.steps[step][1]:
             self.history.append(self._step_stats(step))
 
-    def _remember_parents(self, req, newly_cached: list[int]) -> None:
+    def _remember_parents(self, req: Request, newly_cached: list[int]) -> None:
         """A block's parent is the hash before its own in the request that cached it."""
         if not newly_cached:
             return

@@ -25,6 +25,8 @@ from collections import Counter
 from rich.console import Group
 from rich.text import Text
 
+from kvref.core.block_pool import BlockPool
+from kvref.core.kv_cache_utils import KVCacheBlock
 from kvref.math_utils import cdiv
 
 NULL, USED, USED_CACHED, FREE_CACHED, FREE = "null", "used", "used_cached", "free_cached", "free"
@@ -38,7 +40,7 @@ COMPACT_PER_ROW = 64        # plus a 6-column row label: 70 columns
 COMPACT_MAX_CELLS = 1024    # 16 rows of 64
 
 
-def block_state(block) -> str:
+def block_state(block: KVCacheBlock) -> str:
     if block.is_null:
         return NULL
     if block.ref_cnt > 0:
@@ -55,7 +57,7 @@ def legend() -> Text:
     return text
 
 
-def _detailed_cell(block) -> Text:
+def _detailed_cell(block: KVCacheBlock) -> Text:
     state = block_state(block)
     refs = ""
     if state in (USED, USED_CACHED):
@@ -63,7 +65,7 @@ def _detailed_cell(block) -> Text:
     return Text(f"{block.block_id:>3}{GLYPH[state]}{refs:<2}", style=STYLE[state])
 
 
-def _compact_char(block) -> Text:
+def _compact_char(block: KVCacheBlock) -> Text:
     state = block_state(block)
     glyph = GLYPH[state]
     if state in (USED, USED_CACHED) and block.ref_cnt > 1:
@@ -71,11 +73,11 @@ def _compact_char(block) -> Text:
     return Text(glyph, style=STYLE[state])
 
 
-def state_counts(pool) -> Counter:
+def state_counts(pool: BlockPool) -> Counter:
     return Counter(block_state(b) for b in pool.blocks)
 
 
-def render_grid(pool, width: int | None = None, selected: int | None = None,
+def render_grid(pool: BlockPool, width: int | None = None, selected: int | None = None,
                 highlight: frozenset[int] | set[int] = frozenset()) -> Group:
     """The pool as a grid; its scale is stated whenever a cell is not one block.
 
@@ -128,7 +130,7 @@ def render_grid(pool, width: int | None = None, selected: int | None = None,
     return _with_totals(pool, rows, scale)
 
 
-def _with_totals(pool, rows: list[Text], scale: Text) -> Group:
+def _with_totals(pool: BlockPool, rows: list[Text], scale: Text) -> Group:
     counts = state_counts(pool)
     totals = Text(f"in use {counts[USED] + counts[USED_CACHED]} "
                   f"(cached {counts[USED_CACHED]})  evictable cached {counts[FREE_CACHED]}  "
@@ -136,7 +138,7 @@ def _with_totals(pool, rows: list[Text], scale: Text) -> Group:
     return Group(*rows, scale, legend(), totals)
 
 
-def render_free_queue(pool, head: int = 16, tail: int = 6) -> Text:
+def render_free_queue(pool: BlockPool, head: int = 16, tail: int = 6) -> Text:
     """The free queue from head (allocated, and so evicted, first) to tail.
 
     Freed blocks without a hash go to the head (nobody can hit them), cached
