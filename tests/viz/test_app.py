@@ -123,6 +123,11 @@ def test_every_key_moves_to_the_right_place_and_keeps_header_and_narration(multi
             assert app.player.position == position, key
             assert_oriented(app, multi_turn, size)
         assert "all ops" in screen_lines(app)[0]           # v shows bookkeeping ops
+        if size[0] >= 120:                                  # the ops panel is in view
+            assert ".num_computed_tokens = " in "\n".join(screen_lines(app))
+            await pilot.press("v")
+            await pilot.pause()
+            assert ".num_computed_tokens = " not in "\n".join(screen_lines(app))
         await pilot.press("q")
 
     app = drive(multi_turn, size, script)
