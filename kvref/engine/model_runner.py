@@ -190,8 +190,11 @@ class GPUModelRunner(RunnerRequestStates):
         if batch.sampling:
             logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
         sampled: dict[str, list[int]] = {}
+        # Greedy rows: one argmax and one copy to Python for the whole batch (per
+        # request, two small ops each: ~16 requests x 2 per step on the toy).
+        argmax = logits.argmax(dim=-1).tolist() if logits is not None else []
         for state, draft, rows in batch.sampling:
-            targets = self._sample(logits[rows], state)
+            targets = self._sample(logits[rows], state, argmax[rows])
             sampled[state.req_id] = self.accept_draft(draft, targets)
             if self.keep_logits:
                 output.logits[state.req_id] = logits[rows][:len(sampled[state.req_id])].cpu()
@@ -256,11 +259,13 @@ class GPUModelRunner(RunnerRequestStates):
             sampling=sampling,
             attn_metadata=[per_group[g] for g in self.layer_to_group])
 
-    def _sample(self, logits: torch.Tensor, state: CachedRequestState) -> list[int]:
-        """One token per row of ``logits [rows, vocab]``: argmax at temperature 0,
-        else softmax sampling with the request's own RNG."""
+    def _sample(self, logits: torch.Tensor, state: CachedRequestState,
+                argmax: list[int]) -> list[int]:
+        """One token per row of ``logits [rows, vocab]``: argmax at temperature 0
+        (``argmax``: those rows' argmax, computed for the batch), else softmax
+        sampling with the request's own RNG."""
         params = state.sampling_params
         if params is None or params.temperature == 0.0:
-            return logits.argmax(dim=-1).tolist()
+            return argmax
         probs = torch.softmax(logits / params.temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=state.generator).squeeze(-1).tolist()
