@@ -14,6 +14,7 @@
   };
   const GLYPH = {}, COLOUR = {};
   for (const [state, glyph, colour] of D.legend) { GLYPH[state] = glyph; COLOUR[state] = colour; }
+  const TOUCHES_SHOWN = 5;      // as kvref/viz/details.py
   const PALETTE = ["#4aa3ff", "#3ccf4e", "#f0a030", "#e05d9b", "#9b7ede", "#35c3c3", "#d9d94a",
                    "#ff7f50", "#7fbf7f", "#c08040", "#6f8fff", "#ff5a5a"];
 
@@ -182,9 +183,11 @@
       out.push("not in the free queue (in use)");
     }
     const ops = (D.touches[id] || []).filter((i) => i <= k);
-    const shown = ops.slice(-8).map((i) => "#" + i).join(", ");
-    out.push(`touched by ${ops.length} op(s)` +
-             (ops.length ? ": " + (ops.length > 8 ? "… " : "") + shown : ""));
+    out.push(`touched by ${ops.length} op(s)` + (ops.length ? ":" : ""));
+    if (ops.length > TOUCHES_SHOWN) out.push(`  … ${ops.length - TOUCHES_SHOWN} earlier`);
+    for (const i of ops.slice(-TOUCHES_SHOWN)) {
+      out.push(`  #${i} ${D.ops[i][0]}` + (D.ops[i][1] ? " " + D.ops[i][1] : ""));
+    }
     return out;
   }
   function requestLines(r, st, k) {
