@@ -98,7 +98,8 @@ class KVViewer(App):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE, "-wide")]
     CSS = """
     Screen { layout: vertical; }
-    #header { height: auto; max-height: 3; background: $primary; color: $text; text-style: bold; padding: 0 1; }
+    #header { height: auto; max-height: 3; background: $primary; color: $text;
+              text-style: bold; padding: 0 1; }
     #narration { height: auto; max-height: 8; overflow-y: auto; padding: 0 1; text-style: italic;
                  border-bottom: solid $primary-darken-2; }
     #body { height: 1fr; }

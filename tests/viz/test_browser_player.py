@@ -123,6 +123,7 @@ def hover_and_compare(driver, reference: TracePlayer, holds) -> bool:
 
 @pytest.mark.parametrize("name", ["hybrid", "pressure"])
 def test_keys_and_sliders_show_the_managers_state(browser, name, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
@@ -161,8 +162,14 @@ def test_keys_and_sliders_show_the_managers_state(browser, name, tmp_path):
                       lambda b: b.ref_cnt == 1 and b.block_hash is None):
             hovered += hover_and_compare(browser, reference, holds)
     assert hovered >= 5
+    # A click keeps a block's details when the mouse leaves it.
+    cell = browser.find_element(By.CSS_SELECTOR, '#grid .cell[data-block="3"]')
+    ActionChains(browser).click(cell).move_to_element(
+        browser.find_element(By.ID, "pos")).perform()
+    assert browser.find_element(By.ID, "details").text.splitlines() == \
+        block_details(reference, 3).lines()
+    body.send_keys(Keys.ESCAPE)
     # Jumps and the request search ask with a prompt, as the terminal's g, o and / do.
-    from selenium.webdriver.common.action_chains import ActionChains
     ActionChains(browser).move_to_element(browser.find_element(By.ID, "pos")).perform()
     for key, answer, op in (("o", "100", 100), ("g", "5", ends[5])):
         body.send_keys(key)

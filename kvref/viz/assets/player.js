@@ -207,7 +207,8 @@
       $("tree-title").textContent = "prefix tree: no full-attention group to draw";
       return;
     }
-    $("tree-title").textContent = `prefix tree (${D.groups[gid]}: requests sharing a prefix share a branch)`;
+    $("tree-title").textContent =
+      `prefix tree (${D.groups[gid]}: requests sharing a prefix share a branch)`;
     const root = new Map();
     for (const r in st.reqs) {
       let node = root;
@@ -317,7 +318,10 @@
     let any = false, taken = false;
     for (let i = start; i <= k; i++) {
       if (D.ops[i][0] === "take_events") taken = true;
-      for (const line of D.frames[i].e || []) { events.appendChild(el("div", null, line)); any = true; }
+      for (const line of D.frames[i].e || []) {
+        events.appendChild(el("div", null, line));
+        any = true;
+      }
     }
     if (!any) events.textContent = taken ? "none" : "not taken yet this step";
     const tables = $("tables");
@@ -382,7 +386,12 @@
     first() { say(""); go(0); },
     last() { say(""); go(N - 1); },
     play() {
-      if (view.timer) { clearInterval(view.timer); view.timer = null; $("b-play").textContent = "▶ play"; return; }
+      if (view.timer) {
+        clearInterval(view.timer);
+        view.timer = null;
+        $("b-play").textContent = "▶ play";
+        return;
+      }
       $("b-play").textContent = "⏸ pause";
       view.timer = setInterval(() => {
         if (stepOf[view.op] >= S - 1) { moves.play(); return; }
@@ -394,7 +403,9 @@
       const answer = window.prompt(`${what} number, 0..${top}`);
       if (answer === null || answer.trim() === "") return;
       const n = Number(answer);
-      if (!Number.isInteger(n) || n < 0 || n > top) return say(`no ${what} ${answer.trim()}: ${what}s are 0..${top}`);
+      if (!Number.isInteger(n) || n < 0 || n > top) {
+        return say(`no ${what} ${answer.trim()}: ${what}s are 0..${top}`);
+      }
       say(""); go(what === "step" ? stepEnd(n) : n);
     },
     search() {
@@ -438,7 +449,10 @@
     box.addEventListener("mouseleave", () => { view.hover = null; drawDetails(); });
     box.addEventListener("click", (e) => {
       const id = blockOf(e);
-      if (id !== null) { view.pinned = id === view.pinned ? null : id; view.request = null; draw(); }
+      if (id === null) return;
+      view.pinned = id === view.pinned ? null : id;
+      view.request = null;
+      draw();
     });
   }
   $("tables").addEventListener("click", (e) => {
@@ -460,11 +474,17 @@
       g: () => moves.ask("step"), o: () => moves.ask("op"), "/": moves.search,
       c: () => $("colour-by-request").click(), v: () => $("bookkeeping").click(),
       "?": () => { $("help").hidden = !$("help").hidden; },
-      Escape: () => { view.pinned = view.request = null; $("help").hidden = true; say(""); draw(); },
+      Escape: () => {
+        view.pinned = view.request = null;
+        $("help").hidden = true;
+        say("");
+        draw();
+      },
     }[key];
     if (!action) return;
     // A focused slider moves itself with the arrows and Home/End; its input event follows.
-    if (onSlider && ["ArrowRight", "ArrowLeft", "Home", "End", "PageUp", "PageDown"].includes(key)) return;
+    const sliderKeys = ["ArrowRight", "ArrowLeft", "Home", "End", "PageUp", "PageDown"];
+    if (onSlider && sliderKeys.includes(key)) return;
     e.preventDefault();
     action();
   });
