@@ -136,7 +136,8 @@ def test_cdiv_is_defined_once_and_never_spelled_out():
         rel = path.relative_to(REPO).as_posix()
         definitions += [rel for node in ast.walk(tree)
                         if isinstance(node, ast.FunctionDef) and node.name == "cdiv"]
-        if rel != "kvref/math_utils.py":
+        # tools/ scripts also run in vLLM's own environment, where kvref may not import.
+        if rel != "kvref/math_utils.py" and not rel.startswith("tools/"):
             spelled += [f"{rel}:{line}" for line in ceil_divisions(tree)]
     assert definitions == ["kvref/math_utils.py"]
     assert spelled == [], "use kvref.math_utils.cdiv"
