@@ -194,7 +194,7 @@ for gate in (True, False):
                                                 SamplingParams(max_tokens=2, ignore_eos=True)])
     gate_runs[gate] = (llm_gate, outputs)
     show(f"scheduler_reserve_full_isl={gate}: the first 7 steps")
-    show(timeline(llm_gate, pictures[:7]))
+    show(step_timeline(llm_gate, pictures[:7]))
 with_gate, without_gate = gate_runs[True][0], gate_runs[False][0]
 records = without_gate.scheduler.step_records
 claim(with_gate.stats.num_preemptions == 0
