@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import time
 
 from rich.console import Console
-from rich.live import Live
 from rich.progress import Progress
 from rich.rule import Rule
 
@@ -106,31 +104,22 @@ def _warn_if_recorded_answers_differ(trace: dict, shown_op: int | None, command:
 
 
 def cmd_demo(args, console: Console) -> int:
-    from kvref.viz.panels import render_frame, render_summary
+    from kvref.viz.demo import run_demo, terminal_waiter
+    from kvref.viz.panels import render_summary
     from kvref.viz.player import summarize
 
-    if args.pause < 0:
+    if args.pause is not None and args.pause < 0:
         raise UsageError(f"kvref demo: --pause must be >= 0, got {args.pause}")
     trace = _workload_trace(args.workload, args.steps)
     player = _player(trace)
     console.print(Rule(f"kvref demo: {args.workload}"))
     console.print(trace["generator"].get("description", ""), style="bold")
-    animate = not args.no_animate and console.is_terminal
-    if animate:
-        # A frame taller than the terminal is cut at the bottom while animating
-        # (the story and the grid come first); the last one is printed whole.
-        with Live(console=console, refresh_per_second=8, transient=True,
-                  vertical_overflow="ellipsis") as live:
-            for k in range(len(player.steps)):
-                player.seek_step(k)
-                live.update(render_frame(player, compact=True))
-                time.sleep(args.pause)
-        console.print(render_frame(player, compact=True))
-    else:
-        for k in range(len(player.steps)):
-            player.seek_step(k)
-            console.print(render_frame(player, compact=True))
-    console.print(render_summary(summarize(trace), title=f"summary of {args.workload}"))
+    wait = None if args.no_animate else terminal_waiter(console, args.pause)
+    shown = run_demo(console, player, wait)
+    title = f"summary of {args.workload}"
+    if shown < len(player.steps):
+        title += f" (all {len(player.steps)} steps, {shown} shown)"
+    console.print(render_summary(summarize(trace), title=title))
     return 0
 
 
@@ -164,21 +153,30 @@ def cmd_viz(args, console: Console) -> int:
 
 
 def _export(args, console: Console, trace: dict, player) -> int:
+    """``.svg``: one frame, as the terminal draws it. ``.html``: the whole trace as a
+    self-contained player page (``kvref.viz.html_player``), opening at --step/--op."""
     from kvref.viz.panels import render_frame
 
     if not args.export.endswith((".svg", ".html")):
         raise UsageError(f"kvref viz: --export must end in .svg or .html, got {args.export!r}")
-    _seek(player, args, default_last=True)
+    chosen = args.step is not None or args.op is not None
+    _seek(player, args, default_last=args.export.endswith(".svg"))
     if args.trace:
         _warn_if_recorded_answers_differ(trace, player.position - 1, "kvref viz")
-    recorder = Console(record=True, width=80, file=io.StringIO(), force_terminal=True)
-    recorder.print(render_frame(player))
-    title = f"kvref viz: {trace.get('name', 'trace')}"
     try:
-        if args.export.endswith(".svg"):
-            recorder.save_svg(args.export, title=title)
-        else:
-            recorder.save_html(args.export)
+        if args.export.endswith(".html"):
+            from kvref.viz.html_player import write_player
+
+            size = write_player(trace, args.export,
+                                start_op=player.position - 1 if chosen else None)
+            console.print(f"wrote {args.export}: a player of {len(player.ops)} ops in "
+                          f"{len(player.steps)} steps, {size / 1000:.0f} kB, no network "
+                          f"needed (opens at step {player.current_step}, "
+                          f"op {player.position - 1})")
+            return 0
+        recorder = Console(record=True, width=80, file=io.StringIO(), force_terminal=True)
+        recorder.print(render_frame(player))
+        recorder.save_svg(args.export, title=f"kvref viz: {trace.get('name', 'trace')}")
     except OSError as exc:
         raise UsageError(f"kvref viz: cannot write {args.export}: {exc.strerror}") from None
     console.print(f"wrote {args.export} (step {player.current_step}, op {player.position - 1})")
@@ -299,17 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="watch the KV cache work, step by step, narrated",
-                          description="Run a workload and show every step (animated in a "
-                          "terminal), then a summary: hit rate, prompt tokens saved, "
-                          "evictions, preemptions.")
+                          description="Run a workload and print every step whole (the "
+                          "pictures, then what happened and why), waiting for a key between "
+                          "steps in a terminal (q stops), then a summary: hit rate, prompt "
+                          "tokens saved, evictions, preemptions. Not in a terminal it does "
+                          "not wait.")
     demo.add_argument("--workload", default="prefix-caching", metavar="W",
                       help=f"what to run (default prefix-caching): {names}")
     demo.add_argument("--steps", type=int, metavar="N", help="stop after N steps")
     demo.add_argument("--no-animate", action="store_true",
-                      help="print every step instead of animating (automatic when not a "
-                      "terminal)")
-    demo.add_argument("--pause", type=float, default=1.0, metavar="S",
-                      help="seconds per step when animating (default 1.0)")
+                      help="print every step without waiting (automatic when not a terminal)")
+    demo.add_argument("--pause", type=float, metavar="S",
+                      help="wait S seconds between steps instead of for a key")
     demo.set_defaults(run=cmd_demo)
 
     viz = sub.add_parser("viz", help="step through a trace or a workload",
@@ -322,9 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     viz.add_argument("trace", nargs="?", help="a .json or .json.gz kvtrace/1 file")
     viz.add_argument("--workload", metavar="W", help=f"run a workload instead: {names}")
     viz.add_argument("--steps", type=int, metavar="N", help="with --workload: stop after N steps")
-    viz.add_argument("--export", metavar="FILE", help="write the frame to FILE.svg or FILE.html")
+    viz.add_argument("--export", metavar="FILE",
+                     help="FILE.svg: write one frame; FILE.html: write the whole trace as a "
+                     "self-contained player page (keys, sliders, hover details; no network)")
     viz.add_argument("--step", type=int, metavar="N",
-                     help="open at the end of step N (default: step 0; the last with --export)")
+                     help="open at the end of step N (default: step 0; with --export F.svg: the last)")
     viz.add_argument("--op", type=int, metavar="N", help="open right after op N")
     viz.add_argument("--no-interactive", action="store_true",
                      help="text only, for pipes and CI: print the --step/--op frame, or read "

@@ -88,12 +88,14 @@ def test_viz_export_writes_an_svg_of_the_grid(recorded, tmp_path):
     assert "◉" in text and "evictable" in text
 
 
-def test_viz_export_html_of_a_workload(tmp_path):
-    html = tmp_path / "frame.html"
+def test_viz_export_html_is_the_player_of_the_whole_trace(tmp_path):
+    html = tmp_path / "player.html"
     result = kvref("viz", "--workload", "prefix-caching", "--op", "30", "--export", html)
     assert result.returncode == 0, result.stderr
-    assert "<html" in html.read_text().lower() and "kvref-prefix-caching" in html.read_text()
-    assert result.stdout.strip().endswith("op 30)")
+    text = html.read_text()
+    assert "<html" in text.lower() and "kvref player: kvref-prefix-caching" in text
+    assert '"start":30' in text and text.count('"take_events"') >= 9    # every op is in it
+    assert "a player of 58 ops" in result.stdout and result.stdout.strip().endswith("op 30)")
 
 
 def test_explain_an_op(recorded):
