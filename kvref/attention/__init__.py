@@ -21,7 +21,11 @@ from kvref.attention.cascade import (
     compute_cascade_attn_prefix_len,
     merge_attn_states,
 )
-from kvref.attention.fast_paged_attention import KVGatherBuffer, fast_paged_attention
+from kvref.attention.fast_paged_attention import (
+    KVGatherBuffer,
+    PagedAttentionPlan,
+    fast_paged_attention,
+)
 from kvref.attention.flashinfer import (
     FlashInferPageTable,
     flashinfer_paged_attention,
@@ -42,7 +46,8 @@ from kvref.attention.mamba_state import make_state_cache, mamba_step, recurrence
 
 __all__ = [
     "AttentionOutput", "FlashInferPageTable", "KVGatherBuffer", "attend", "cascade_attention",
-    "compute_cascade_attn_prefix_len", "default_scale", "fast_paged_attention",
+    "PagedAttentionPlan", "compute_cascade_attn_prefix_len", "default_scale",
+    "fast_paged_attention",
     "flashinfer_paged_attention",
     "gather_kv", "make_kv_cache", "make_state_cache", "mamba_step", "merge_attn_states",
     "paged_attention", "paged_attention_with_lse", "recurrence_reference", "to_flashinfer",

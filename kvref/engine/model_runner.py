@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-from kvref.attention import make_kv_cache
+from kvref.attention import PagedAttentionPlan, make_kv_cache
 from kvref.engine.model import AttentionMetadata, ModelConfig, TransformerForCausalLM
 from kvref.engine.gpu_input_batch import CachedRequestState, RunnerRequestStates
 from kvref.engine.ngram_proposer import NgramProposer
@@ -136,6 +136,9 @@ class GPUModelRunner(RunnerRequestStates):
         if missing:
             raise ValueError(f"layers {missing} are in no KV cache group")
         self.layer_to_group = [group_of[layer_name(i)] for i in range(num_layers)]
+        self.group_windows = [g.kv_cache_spec.sliding_window
+                              if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None
+                              for g in groups]
         self.kv_caches = self._initialize_kv_cache()
         self.block_table = MultiGroupBlockTable(
             max_num_reqs=max_num_reqs, max_model_len=max_model_len,
@@ -231,13 +234,21 @@ class GPUModelRunner(RunnerRequestStates):
         num_reqs = len(states)
         slot_mappings = self.block_table.compute_slot_mapping(num_reqs, query_start_loc_t,
                                                               positions_t)
-        per_group = [
-            AttentionMetadata(query_start_loc=query_start_loc_t, seq_lens=seq_lens_t,
-                              block_table=self.block_table[g].get_device_tensor(num_reqs),
-                              slot_mapping=slot_mappings[g],
-                              max_query_len=max(num_scheduled_tokens[s.req_id] for s in states),
-                              max_seq_len=max(seq_lens))
-            for g in range(len(self.block_table))]
+        per_group = []
+        for g, table in enumerate(self.block_table):
+            block_table = table.get_device_tensor(num_reqs)
+            # The attention plan is built here once per group, not in every layer:
+            # the batch, table and window are the same for all of a group's layers.
+            plan = PagedAttentionPlan(query_start_loc, seq_lens, block_table,
+                                      block_size=table.block_size,
+                                      sliding_window=self.group_windows[g],
+                                      num_blocks=self.kv_cache_config.num_blocks,
+                                      slot_mapping=slot_mappings[g], device=device)
+            per_group.append(AttentionMetadata(
+                query_start_loc=query_start_loc_t, seq_lens=seq_lens_t,
+                block_table=block_table, slot_mapping=slot_mappings[g],
+                max_query_len=max(num_scheduled_tokens[s.req_id] for s in states),
+                max_seq_len=max(seq_lens), plan=plan))
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=positions_t,

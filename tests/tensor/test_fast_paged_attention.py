@@ -138,3 +138,22 @@ def test_fast_path_shape_errors_name_the_shapes(bad, match):
     query, kv_cache = args.pop("query"), args.pop("kv_cache")
     with pytest.raises(ValueError, match=match):
         fast_paged_attention(query, kv_cache, **args)
+
+
+def test_a_plan_writes_where_write_kv_writes_and_checks_the_slots_once():
+    from kvref.attention import PagedAttentionPlan, write_kv
+    key = torch.arange(12.0).reshape(4, 1, 3)
+    slots = torch.tensor([5, -1, 0, 3])                       # a padding token in the middle
+    want, got = make_kv_cache(3, 2, 1, 3, fill=-1.0), make_kv_cache(3, 2, 1, 3, fill=-1.0)
+    write_kv(want, key, key + 100, slots)
+    plan = PagedAttentionPlan([0, 4], [4], torch.tensor([[0, 1, 2]]), block_size=2,
+                              num_blocks=3, slot_mapping=slots)
+    plan.write_kv(got, key, key + 100)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="outside 0..5"):
+        PagedAttentionPlan([0, 1], [1], torch.tensor([[0]]), block_size=2, num_blocks=3,
+                           slot_mapping=torch.tensor([6]))
+    with pytest.raises(ValueError, match="3 blocks of 2"):
+        plan.write_kv(make_kv_cache(4, 2, 1, 3), key, key)
+    with pytest.raises(ValueError, match="without a slot_mapping"):
+        PagedAttentionPlan([0, 1], [1], torch.tensor([[0]]), block_size=2).write_kv(got, key, key)
