@@ -88,6 +88,12 @@ def test_viz_export_writes_an_svg_of_the_grid(recorded, tmp_path):
     assert "◉" in text and "evictable" in text
 
 
+def test_viz_no_interactive_prints_the_frame_asked_for(recorded):
+    result = kvref("viz", recorded, "--op", "40", "--no-interactive")
+    assert result.returncode == 0, result.stderr
+    assert ", op 40/" in result.stdout and "free queue" in result.stdout
+
+
 def test_viz_export_html_is_the_player_of_the_whole_trace(tmp_path):
     html = tmp_path / "player.html"
     result = kvref("viz", "--workload", "prefix-caching", "--op", "30", "--export", html)
