@@ -137,8 +137,10 @@ def test_shared_prefix_is_served_from_the_cache():
 def test_num_cached_tokens_is_the_last_admission_before_the_first_token():
     # vLLM reports the hit of the request's PrefillStats, which every admission
     # overwrites until the first output token is out. "a" (16 tokens, prefilled
-    # 4 at a time) is preempted by "b"'s decodes twice before it samples.
-    scheduler = Scheduler(make_manager(7), max_num_batched_tokens=4)
+    # 4 at a time) is preempted by "b"'s decodes twice before it samples. (That
+    # takes admitting "a" before its whole sequence fits: the gate is off.)
+    scheduler = Scheduler(make_manager(7), max_num_batched_tokens=4,
+                          scheduler_reserve_full_isl=False)
     runner = ModelFreeRunner(VOCAB)
     scheduler.new_request("b", list(range(1, 8)), SamplingParams(max_tokens=12,
                                                                  ignore_eos=True))
