@@ -79,9 +79,11 @@ def run(num_gpu_blocks, watermark=0.0):
     return llm.generate(prompts, params), llm, pictures
 
 
-def preempted_the_newest(records):
+def preempted_the_last_admitted(records):
     """Replay the running list from the step records: each preempted request
-    must be the last one in it (vLLM's FCFS policy pops the newest)."""
+    must be the last one in it (vLLM's FCFS policy pops the last-admitted
+    request, the end of its running list: the one admitted or resumed last,
+    not the one that arrived last)."""
     running = []
     for record in records:
         for rid in record.preempted:
@@ -139,8 +141,8 @@ preempt_steps = [r for r in records if r.preempted]
 resumes = [(r, rid) for r in records for rid in r.resumed]
 claim(llm_small.stats.num_preemptions > 0 and len(resumes) == llm_small.stats.num_preemptions,
       "requests were preempted, and each preemption was followed by a resume")
-claim(preempted_the_newest(records),
-      "the request preempted is always the newest one running (the last admitted or resumed)")
+claim(preempted_the_last_admitted(records),
+      "the request preempted is always the last-admitted one running (admitted or resumed last)")
 claim(all(not r.admitted for r in preempt_steps),
       "a step that preempted admits no new request")
 hits = {rid: r.prefix_hit_tokens[rid] for r, rid in resumes}

@@ -8,6 +8,7 @@ over the paged KV cache, and the scheduler takes the sampled tokens back::
     llm = LLM("path/to/checkpoint", num_gpu_blocks=64)        # or a transformers model
     outs = llm.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_tokens=8))
     outs[0].outputs[0].token_ids          # 8 greedy tokens
+    llm.generate("Hello")                 # text: only with a tokenizer (the folder's own)
     llm.stats                             # prompt tokens computed vs cached, preemptions
     llm.kv_cache_manager.block_pool       # the live pool
 
@@ -42,6 +43,8 @@ platform turns it off; kvref runs it on CPU when asked to).
 from __future__ import annotations
 
 import math
+import operator
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -112,6 +115,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logits: list[torch.Tensor] = field(default_factory=list)
+    text: str | None = None        # the tokens decoded, when the LLM has a tokenizer
 
 
 @dataclass
@@ -123,6 +127,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int
+    prompt: str | None = None      # the prompt's text, when it was given as text
 
 
 class LLM:
@@ -146,6 +151,11 @@ class LLM:
         device, dtype: where the model and KV cache live, and their dtype.
         keep_logits: put each generated token's logits in ``CompletionOutput.logits``.
         kv_cache_memory_bytes: the memory the default pool size may use.
+        tokenizer: what turns string prompts into token ids (and generated
+            tokens back into ``CompletionOutput.text``): a ``transformers``
+            tokenizer, or a local folder to load one from. Default: the
+            checkpoint folder's own tokenizer files, if it has any (never
+            downloaded). Without one, prompts must be token ids.
         enable_kv_cache_events: queue the manager's block events
             (``llm.kv_cache_manager.take_events()``).
         speculative_config: ``{"method": "ngram", "num_speculative_tokens": k,
@@ -169,9 +179,10 @@ class LLM:
                  enable_kv_cache_events: bool = False,
                  speculative_config: dict | None = None,
                  scheduler_reserve_full_isl: bool = True,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, tokenizer=None) -> None:
         self.device = torch.device(device)
         self.model = load_model(model, self.device, dtype)
+        self.tokenizer = _load_tokenizer(model, tokenizer)
         self.dtype = next(self.model.parameters()).dtype
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings
@@ -225,7 +236,28 @@ class LLM:
         self.engine_core = make_engine_core(self.scheduler, self.model_runner)
         self.after_step: list[Callable[[LLM], None]] = []
         self._logits: dict[str, list[torch.Tensor]] = {}
+        self._prompt_text: dict[str, str] = {}
         self._next_request_id = 0
+
+    def _token_ids(self, index: int, prompt) -> tuple[list[int], str | None]:
+        """A prompt of ``generate`` as token ids, and its text if it had one."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt_token_ids' or "
+                                 f"'prompt', got keys {sorted(prompt)}")
+        if not isinstance(prompt, str):
+            return prompt, None
+        if self.tokenizer is None:
+            raise ValueError(
+                f"prompt {index} is text ({prompt[:30]!r}), but this LLM has no tokenizer: "
+                "pass token ids (a list of ints, or {'prompt_token_ids': [...]}), or give "
+                "LLM(..., tokenizer=FOLDER_OR_TOKENIZER) or a checkpoint folder with "
+                "tokenizer files")
+        return list(self.tokenizer(prompt)["input_ids"]), prompt
 
     def _make_drafter(self, speculative_config: dict | None) -> NgramProposer | None:
         if not speculative_config:
@@ -265,8 +297,8 @@ class LLM:
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> EngineRequest:
-        """Queue one prompt; ``step()`` runs it."""
-        ids = [int(t) for t in prompt_token_ids]
+        """Queue one prompt (token ids); ``step()`` runs it."""
+        ids = _as_token_ids(prompt_token_ids)
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -292,19 +324,26 @@ class LLM:
                  | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order.
 
-        ``prompts``: token-id lists, or ``{"prompt_token_ids": [...]}`` dicts.
+        ``prompts``: one prompt or a list of them; a prompt is a token-id list,
+        ``{"prompt_token_ids": [...]}``, or (with a tokenizer) a string or
+        ``{"prompt": "..."}``, as ``vllm.LLM.generate`` takes them. A string
+        without a tokenizer is an error that says what to pass instead.
         ``sampling_params``: one for all, or one per prompt.
         """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} "
                              "prompts")
         order = []
-        for prompt, params in zip(prompts, sampling_params):
-            if isinstance(prompt, dict):
-                prompt = prompt["prompt_token_ids"]
-            order.append(self.add_request(prompt, params).request_id)
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            ids, text = self._token_ids(index, prompt)
+            request_id = self.add_request(ids, params).request_id
+            if text is not None:
+                self._prompt_text[request_id] = text
+            order.append(request_id)
         done: dict[str, RequestOutput] = {}
         while self.engine_core.has_work():
             for output in self.step():
@@ -315,6 +354,43 @@ class LLM:
         tokens = list(request.output_token_ids)
         # A stop inside an accepted draft drops its tail: drop those logits too.
         logits = self._logits.pop(request.request_id, [])[:len(tokens)]
-        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits)
+        text = (None if self.tokenizer is None else
+                self.tokenizer.decode(tokens, skip_special_tokens=True))
+        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits, text)
         return RequestOutput(request.request_id, list(request.prompt_token_ids),
-                             [completion], True, request.num_cached_tokens)
+                             [completion], True, request.num_cached_tokens,
+                             self._prompt_text.pop(request.request_id, None))
+
+
+def _as_token_ids(tokens) -> list[int]:
+    """Token ids as ints; a clear ``TypeError`` for text or anything not an integer."""
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError(f"token ids expected, got text {tokens[:30]!r}; text prompts go "
+                        "through generate() on an LLM with a tokenizer")
+    ids = []
+    for t in tokens:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"token ids must be integers, got {t!r} "
+                            f"({type(t).__name__})") from None
+    return ids
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _load_tokenizer(model, tokenizer):
+    """The LLM's tokenizer: the one given, one loaded from a given folder, or
+    the checkpoint folder's own; None when there is none. Never downloads."""
+    if tokenizer is None and isinstance(model, (str, os.PathLike)):
+        if any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+            tokenizer = model
+    if isinstance(tokenizer, (str, os.PathLike)):
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer),
+                                                          local_files_only=True)
+    return tokenizer
