@@ -8,13 +8,17 @@ with the tutorials extra alone. This script can: for each command block
 commands) it
 
 1. clones the repository's committed ``HEAD`` into a temporary folder,
-2. makes a new venv there (no system site packages),
+2. makes a new venv (no system site packages) for the install the block
+   names; blocks naming the same install (``.``, ``.[test]``, ...) share that
+   venv, each in its own fresh clone (``--venv-per-block`` makes one per
+   block: with torch in most of them, hours on a busy 2-core machine),
 3. for a python block, installs what its first comment names; a bash block's
-   own ``pip install`` line runs as printed,
+   own ``pip install`` line runs as printed (in a shared venv it re-points the
+   editable install at the block's clone),
 4. runs the block in the clone with the venv first on PATH,
 
 and prints one line per block (passed or failed, seconds) and a table at the
-end. Too slow for CI (a venv with torch per block: tens of minutes).
+end. Too slow for CI (tens of minutes).
 
     python3 tools/readme_fresh_venv.py                  # every block
     python3 tools/readme_fresh_venv.py -k tutorials     # blocks whose id contains it
@@ -43,8 +47,9 @@ import readme_commands as rc  # noqa: E402
 ROOT = rc.ROOT
 
 
-def run_in_fresh_venv(block: rc.Block, keep: bool = False, timeout: int = 3600) -> dict:
-    """Clone, venv, install, run; a dict with the outcome."""
+def run_in_fresh_venv(block: rc.Block, keep: bool = False, timeout: int = 3600,
+                      venv: Path | None = None) -> dict:
+    """Clone, venv (``venv``: an existing one to reuse), install, run; the outcome."""
     work = Path(tempfile.mkdtemp(prefix="kvref-fresh-"))
     started = time.monotonic()
     log: list[str] = []
@@ -56,15 +61,19 @@ def run_in_fresh_venv(block: rc.Block, keep: bool = False, timeout: int = 3600) 
                    f"{result.stderr[-4000:]}")
         return result.returncode == 0
 
-    clone, venv = work / "kvref", work / "venv"
+    clone = work / "kvref"
     ok = step(["git", "clone", "-q", str(ROOT), str(clone)], work)
-    ok = ok and step([sys.executable, "-m", "venv", str(venv)], work)
+    made = venv is None or not (venv / "bin" / "python3").exists()
+    venv = venv or work / "venv"
+    if made:
+        ok = ok and step([sys.executable, "-m", "venv", str(venv)], work)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV",
                                                              "KVREF_TUTORIAL_FIGURES")}
     env.update(PATH=os.pathsep.join([str(venv / "bin"), env.get("PATH", "")]),
                VIRTUAL_ENV=str(venv), COLUMNS="80", TERM="dumb", MPLBACKEND="Agg")
     python = str(venv / "bin" / "python3")
-    ok = ok and step([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], clone, env)
+    if made:
+        ok = ok and step([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], clone, env)
     extras = block.extras()
     if ok and block.lang == "python":
         spec = "." if not extras else f".[{','.join(extras)}]"
@@ -74,7 +83,7 @@ def run_in_fresh_venv(block: rc.Block, keep: bool = False, timeout: int = 3600) 
         ok = step(["bash", "-c", rc.fresh_script(block)], clone, env)
     outcome = {"block": block.id, "installs": "." if not extras else f".[{','.join(extras)}]",
                "passed": ok, "seconds": round(time.monotonic() - started, 1),
-               "setup_seconds": round(setup_s, 1)}
+               "setup_seconds": round(setup_s, 1), "new_venv": made}
     if not ok:
         outcome["log"] = "\n".join(log)[-8000:]
     if not keep:
@@ -90,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the blocks and exit")
     parser.add_argument("--keep", action="store_true", help="keep each clone and venv")
     parser.add_argument("--json", type=Path, help="write the outcomes here")
+    parser.add_argument("--venv-per-block", action="store_true",
+                        help="a new venv for every block, not one per distinct install")
     args = parser.parse_args(argv)
     chosen = [b for b in rc.blocks(ROOT) if args.select in b.id]
     if not chosen:
@@ -107,14 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         print("note: uncommitted changes are not in the clone (it is made from HEAD)",
               file=sys.stderr)
     outcomes = []
+    venvs_dir = Path(tempfile.mkdtemp(prefix="kvref-fresh-venvs-"))
     for block in chosen:
-        outcome = run_in_fresh_venv(block, keep=args.keep)
+        extras = block.extras()
+        key = "base" if not extras else "-".join(extras)
+        shared = None if args.venv_per_block else venvs_dir / key
+        outcome = run_in_fresh_venv(block, keep=args.keep, venv=shared)
         outcomes.append(outcome)
         print(f"{'PASS' if outcome['passed'] else 'FAIL'}  {outcome['block']:34s} "
               f"{outcome['installs']:14s} {outcome['seconds']:7.1f} s "
-              f"(clone + venv + install {outcome['setup_seconds']:.1f} s)", flush=True)
+              f"(clone + {'new venv + ' if outcome['new_venv'] else ''}install "
+              f"{outcome['setup_seconds']:.1f} s)", flush=True)
         if not outcome["passed"]:
             print(outcome["log"], file=sys.stderr)
+    if not args.keep:
+        shutil.rmtree(venvs_dir, ignore_errors=True)
     passed = sum(o["passed"] for o in outcomes)
     print(f"\n{passed} of {len(outcomes)} README blocks passed in a fresh venv each, "
           f"{sum(o['seconds'] for o in outcomes) / 60:.1f} minutes in all")
