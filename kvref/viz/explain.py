@@ -152,7 +152,7 @@ def _allocate_gates(gates: AllocateSlotsGates | None, status: RequestStatus, op:
     needed, available = gates.num_blocks_needed, gates.num_available_blocks
     reserved_blocks = op.get("reserved_blocks", ALLOCATE_DEFAULTS["reserved_blocks"])
     free_after = available + reserved_blocks
-    what = f"{needed} blocks"
+    what = f"{needed} block{'' if needed == 1 else 's'}"
     if free_hits:
         what += f" (incl. {free_hits} free cached hit block(s) it takes off the free queue)"
     reserved = f" - {reserved_blocks} reserved" if reserved_blocks else ""
