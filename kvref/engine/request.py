@@ -50,6 +50,12 @@ class EngineRequest(Request):
         self.last_sched_seq = 0
         # The stop token that finished it (None: EOS, a length cap, or unfinished).
         self.stop_reason: int | None = None
+        # KV connector: what the request asks of it (vLLM reads the same dict from
+        # sampling_params.extra_args["kv_transfer_params"]), and what it said back.
+        extra = self.sampling_params.extra_args or {}
+        self.kv_transfer_params: dict | None = (
+            dict(extra["kv_transfer_params"]) if extra.get("kv_transfer_params") else None)
+        self.kv_transfer_params_out: dict | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -72,6 +78,8 @@ class EngineRequest(Request):
             return "length"
         if self.status == RequestStatus.FINISHED_ABORTED:
             return "abort"
+        if self.status == RequestStatus.FINISHED_ERROR:
+            return "error"
         return None
 
 
