@@ -123,6 +123,12 @@ PROFILES: dict[str, dict] = {
     "llm_defaults": dict(runs=10, block_size=4, blocks=(18, 40), max_model_len=(32, 64),
                          budget=None, max_num_seqs=None, requests=(6, 12), prompt=(4, 30),
                          outputs=(2, 16), shared_prefix=0.4, vocab=64, llm_defaults=True),
+    # Small budgets, long drafts, repeated prompts: the 1 + k padding often does
+    # not fit the budget left, and vLLM then stops admitting (its refusal branch).
+    "ngram_small_budget": dict(runs=16, block_size=4, blocks=(32, 64), max_model_len=48,
+                               budget=(4, 9), max_num_seqs=(2, 4), requests=(5, 9),
+                               prompt=(4, 24), outputs=(4, 16), shared_prefix=0.3, vocab=5,
+                               spec=(2, 4), repetitive=True, duplicates=0.6),
     # Asynchronous scheduling (AsyncScheduler + the batch queue).
     "async": dict(runs=24, block_size=4, blocks=(32, 64), max_model_len=64, budget=(8, 32),
                   max_num_seqs=(3, 6), requests=(5, 9), prompt=(4, 40), outputs=(1, 16),

@@ -53,7 +53,8 @@ class ReplayResult:
     num_steps: int                 # schedule() calls in the trace
     num_events: int
     divergence: str | None
-    divergent_steps: int           # schedule events that differ (0 when identical)
+    divergent_steps: int           # steps whose events differ (0 when identical)
+    stats: Any = None              # kvref's SchedulerStats after the replay
 
 
 def load_trace(path: str | Path) -> dict:
@@ -238,7 +239,8 @@ def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> Replay
     elif error:
         first = f"{first} ({error})"
     num_steps = sum(1 for e in expected if e["op"] == "schedule")
-    return ReplayResult(name, num_steps, len(expected), first, divergent_steps)
+    return ReplayResult(name, num_steps, len(expected), first, divergent_steps,
+                        scheduler.stats)
 
 
 def replay_file(path: str | Path) -> list[ReplayResult]:

@@ -58,6 +58,23 @@ def test_profile_replays_with_zero_divergent_steps(path):
                               f"{r.divergence}" for r in bad)
 
 
+def test_the_padding_and_its_refusal_branch_are_exercised():
+    """kvref's counters, over the speculation traces: vLLM padded admissions to
+    1 + k, and stopped admitting when 1 + k did not fit, and kvref did both at
+    the same steps (the replay found no divergence)."""
+    padded = refused = 0
+    for path in TRACES:
+        doc = load_trace(path)
+        if not any(run["config"]["speculative"] for run in doc["runs"]):
+            continue
+        for i, run in enumerate(doc["runs"]):
+            result = replay_run(run, f"{doc['profile']}[{i}]")
+            assert result.divergence is None, result.divergence
+            padded += result.stats.num_padded_admissions
+            refused += result.stats.num_padding_refusals
+    assert padded >= 20 and refused >= 5, (padded, refused)
+
+
 def _gate_minimal() -> dict:
     return load_trace(TRACE_DIR / "gate_minimal.json.gz")["runs"][0]
 
