@@ -622,7 +622,8 @@ def main(argv=None) -> int:
                 run["seed"] = seed
             recipe = profile
         else:
-            parser.error(f"unknown profile {name!r} (known: {sorted(FIXED_RUNS) + sorted(PROFILES)})")
+            known = sorted(FIXED_RUNS) + sorted(PROFILES)
+            parser.error(f"unknown profile {name!r} (known: {', '.join(known)})")
         doc = {"format": FORMAT, "vllm_version": vllm.__version__, "profile": name,
                "recipe": recipe, "pythonhashseed": os.environ["PYTHONHASHSEED"],
                "summary": summarize(runs), "runs": runs}
@@ -632,7 +633,8 @@ def main(argv=None) -> int:
         path = args.out / f"{name}.json.gz"
         with gzip.GzipFile(path, "wb", mtime=0) as f:
             f.write(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())
-        print(f"{name}: {doc['summary']} -> {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        print(f"{name}: {doc['summary']} -> {shown}")
     return 0
 
 
