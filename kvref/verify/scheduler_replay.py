@@ -75,16 +75,20 @@ def build_engine(config: dict):
     bs = config["block_size"]
     groups = []
     for i, g in enumerate(config["groups"]):
+        group_bs = g.get("block_size", bs)
         if g["kind"] == "full":
-            spec = FullAttentionSpec(bs, num_kv_heads=1, head_size=64)
+            spec = FullAttentionSpec(group_bs, num_kv_heads=1, head_size=64)
         elif g["kind"] == "sliding_window":
-            spec = SlidingWindowSpec(bs, g["sliding_window"], num_kv_heads=1, head_size=64)
+            spec = SlidingWindowSpec(group_bs, g["sliding_window"], num_kv_heads=1,
+                                     head_size=64)
         else:
             raise ValueError(f"unknown KV cache group kind {g['kind']!r}")
         groups.append(KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec))
     manager = KVCacheManager(
         KVCacheConfig(config["num_blocks"], groups), max_model_len=config["max_model_len"],
-        scheduler_block_size=bs, hash_block_size=bs,
+        # Several block sizes: their lcm and gcd, as vLLM resolves them (in the trace).
+        scheduler_block_size=config.get("scheduler_block_size", bs),
+        hash_block_size=config.get("hash_block_size", bs),
         max_num_batched_tokens=config["max_num_batched_tokens"],
         enable_caching=config["enable_prefix_caching"], log_stats=True,
         watermark=config["watermark"])

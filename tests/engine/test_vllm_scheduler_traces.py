@@ -32,6 +32,8 @@ def test_the_profiles_cover_what_the_issue_asks_for():
     assert count(lambda c: c["async_scheduling"] and not c["speculative"]) >= 20
     assert count(lambda c: c["async_scheduling"] and c["speculative"]) >= 10
     assert count(lambda c: len(c["groups"]) == 2) >= 10            # full + sliding window
+    assert count(lambda c: c.get("hash_block_size", c["block_size"])
+                 != c.get("scheduler_block_size", c["block_size"])) >= 5   # mixed block sizes
     assert count(lambda c: c["watermark"] > 0) >= 5
     assert count(lambda c: c["long_prefill_token_threshold"] > 0) >= 5
     assert count(lambda c: not c["scheduler_reserve_full_isl"]) >= 5
