@@ -118,13 +118,16 @@ class GPUModelRunner(RunnerRequestStates):
         keep_logits: return each sampled token's logits (float32, CPU) in
             ``ModelRunnerOutput.logits`` (tests compare them with transformers).
         drafter: an ``NgramProposer`` for speculative decoding, or None.
+        async_scheduling: the scheduler is an ``AsyncScheduler`` (see
+            ``gpu_input_batch.RunnerRequestStates``).
     """
 
     def __init__(self, model: TransformerForCausalLM, kv_cache_config: KVCacheConfig, *,
                  max_model_len: int, max_num_batched_tokens: int, max_num_reqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 keep_logits: bool = False, drafter: NgramProposer | None = None) -> None:
-        super().__init__(drafter)
+                 keep_logits: bool = False, drafter: NgramProposer | None = None,
+                 async_scheduling: bool = False) -> None:
+        super().__init__(drafter, async_scheduling)
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
@@ -186,7 +189,7 @@ class GPUModelRunner(RunnerRequestStates):
         if not states:
             return output
         num_scheduled = scheduler_output.num_scheduled_tokens
-        drafts = scheduler_output.scheduled_spec_decode_tokens
+        drafts = self.scheduled_drafts(scheduler_output)
         batch = self._prepare_inputs(states, num_scheduled, drafts)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
                             batch.attn_metadata)
@@ -222,7 +225,9 @@ class GPUModelRunner(RunnerRequestStates):
             n = num_scheduled_tokens[state.req_id]
             draft = drafts.get(state.req_id, [])
             start = state.num_computed_tokens
-            input_ids.extend(self.scheduled_token_ids(state, n, draft))
+            # A -1 draft (a padding slot) goes in as token 0, as vLLM clamps it; no
+            # model token equals -1, so it is rejected and its slot overwritten later.
+            input_ids.extend(max(t, 0) for t in self.scheduled_token_ids(state, n, draft))
             positions.extend(range(start, start + n))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(start + n)
