@@ -118,6 +118,11 @@ PROFILES: dict[str, dict] = {
     "prefix_hits": dict(runs=16, block_size=4, blocks=(24, 64), max_model_len=64,
                         budget=(8, 32), max_num_seqs=(3, 6), requests=(6, 10), prompt=(4, 30),
                         outputs=(2, 12), shared_prefix=0.3, vocab=64, duplicates=0.5),
+    # vllm.LLM's defaults: max_num_batched_tokens and max_num_seqs as vLLM's own
+    # EngineArgs resolves them on CPU for the run's max_model_len (4096 and 256).
+    "llm_defaults": dict(runs=10, block_size=4, blocks=(18, 40), max_model_len=(32, 64),
+                         budget=None, max_num_seqs=None, requests=(6, 12), prompt=(4, 30),
+                         outputs=(2, 16), shared_prefix=0.4, vocab=64, llm_defaults=True),
     # Asynchronous scheduling (AsyncScheduler + the batch queue).
     "async": dict(runs=24, block_size=4, blocks=(32, 64), max_model_len=64, budget=(8, 32),
                   max_num_seqs=(3, 6), requests=(5, 9), prompt=(4, 40), outputs=(1, 16),
@@ -158,6 +163,8 @@ def draw_run(profile: dict, seed: int) -> dict:
     pick = lambda lo_hi: rng.randint(*lo_hi)  # noqa: E731
     block_size = profile["block_size"]
     max_model_len = profile["max_model_len"]
+    if isinstance(max_model_len, tuple):
+        max_model_len = pick(max_model_len)
     groups = [{"kind": "full"}]
     if "sliding_window" in profile:
         groups.append({"kind": "sliding_window",
@@ -171,9 +178,13 @@ def draw_run(profile: dict, seed: int) -> dict:
     threshold = pick(profile["threshold"]) if "threshold" in profile else 0
     vocab = profile["vocab"]
     eos = rng.randrange(vocab) if profile.get("stops") else None
-    config = dict(block_size=block_size, num_blocks=pick(profile["blocks"]), groups=groups,
-                  max_model_len=max_model_len, max_num_batched_tokens=pick(profile["budget"]),
-                  max_num_seqs=pick(profile["max_num_seqs"]),
+    num_blocks = pick(profile["blocks"])
+    # None: vLLM's LLM defaults, filled in by record_run (they need vLLM).
+    budget = pick(profile["budget"]) if profile["budget"] else None
+    seqs = pick(profile["max_num_seqs"]) if profile["max_num_seqs"] else None
+    config = dict(block_size=block_size, num_blocks=num_blocks, groups=groups,
+                  max_model_len=max_model_len, max_num_batched_tokens=budget,
+                  max_num_seqs=seqs,
                   long_prefill_token_threshold=threshold, watermark=watermark,
                   enable_prefix_caching=True,
                   scheduler_reserve_full_isl=profile.get("reserve_full_isl", True),
@@ -198,7 +209,7 @@ def draw_run(profile: dict, seed: int) -> dict:
         if rng.random() < profile["shared_prefix"]:
             prompt = (rng.choice(prefixes) + prompt)
         prompt = prompt[:max_model_len - 2] or [1]
-        if arrivals and rng.random() < profile.get("duplicates", 0.0):
+        if arrivals and profile.get("duplicates") and rng.random() < profile["duplicates"]:
             prompt = list(rng.choice(arrivals)[2])      # the same prompt again: a full hit
         params = {"max_tokens": pick(profile["outputs"]), "ignore_eos": True}
         if profile.get("stops"):
@@ -524,7 +535,39 @@ class Worker:
 # ---------------------------------------------------------------------------
 
 
+def vllm_llm_defaults(model_dir: Path, max_model_len: int, enable_chunked_prefill: bool = True,
+                      max_num_batched_tokens: int | None = None,
+                      max_num_seqs: int | None = None) -> tuple[int, int]:
+    """What vLLM's EngineArgs makes of the batch limits for ``vllm.LLM`` (usage
+    context LLM_CLASS) on this platform (CPU), for values left out (None)."""
+    from vllm.config import ModelConfig, ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir),
+                               skip_tokenizer_init=True, dtype="float16",
+                               max_model_len=max_model_len)
+    args = EngineArgs(model=str(model_dir), max_model_len=max_model_len,
+                      enable_chunked_prefill=enable_chunked_prefill,
+                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    args._set_default_max_num_seqs_and_batched_tokens_args(UsageContext.LLM_CLASS,
+                                                           model_config, ParallelConfig())
+    return args.max_num_batched_tokens, args.max_num_seqs
+
+
+# (max_model_len, enable_chunked_prefill, max_num_batched_tokens, max_num_seqs) given
+# to vllm.LLM, None for a value left to vLLM; the trace stores what vLLM made of them.
+DEFAULTS_GRID = [(64, True, None, None), (8, True, None, None), (4096, True, None, None),
+                 (64, False, None, None), (3000, False, None, None), (64, True, None, 2),
+                 (64, True, None, 4), (64, True, 100, None), (8, True, 16, None)]
+
+
 def record_run(run: dict, model_dir: Path) -> dict:
+    config = run["config"]
+    if config["max_num_batched_tokens"] is None or config["max_num_seqs"] is None:
+        config["max_num_batched_tokens"], config["max_num_seqs"] = vllm_llm_defaults(
+            model_dir, config["max_model_len"], True, config["max_num_batched_tokens"],
+            config["max_num_seqs"])
+        config["llm_defaults"] = True
     vr = VllmRun(run["config"], model_dir)
     vr.run(run["arrivals"])
     return {"config": run["config"], "arrivals": run["arrivals"], "events": vr.events}
@@ -577,6 +620,9 @@ def main(argv=None) -> int:
         doc = {"format": FORMAT, "vllm_version": vllm.__version__, "profile": name,
                "recipe": recipe, "pythonhashseed": os.environ["PYTHONHASHSEED"],
                "summary": summarize(runs), "runs": runs}
+        if recipe.get("llm_defaults"):
+            doc["llm_defaults_grid"] = [
+                [*given, *vllm_llm_defaults(args.model_dir, *given)] for given in DEFAULTS_GRID]
         path = args.out / f"{name}.json.gz"
         with gzip.GzipFile(path, "wb", mtime=0) as f:
             f.write(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())

@@ -60,7 +60,8 @@ from kvref.engine.request import EngineRequest
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.scheduler import Scheduler, SchedulerStats
 
-__all__ = ["CompletionOutput", "LLM", "RequestOutput", "default_batch_limits"]
+__all__ = ["CompletionOutput", "LLM", "RequestOutput", "default_batch_limits",
+           "resolve_batch_limits"]
 
 GiB = 1 << 30
 
@@ -75,6 +76,34 @@ def default_batch_limits(device: torch.device | str) -> tuple[int, int]:
     if props.total_memory >= 70 * GiB and "a100" not in props.name.lower():
         return 16384, 1024
     return 8192, 256
+
+
+def resolve_batch_limits(device: torch.device | str, max_model_len: int,
+                         max_num_batched_tokens: int | None = None,
+                         max_num_seqs: int | None = None,
+                         enable_chunked_prefill: bool = True) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` as vLLM 0.25.1 sets them for
+    ``vllm.LLM`` (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``):
+    a value given is kept; a value left out takes the device's default, and then
+    ``max_num_batched_tokens`` is at least ``max_model_len`` without chunked
+    prefill and at most ``max_num_seqs * max_model_len``, and ``max_num_seqs`` at
+    most ``max_num_batched_tokens``.
+
+        >>> resolve_batch_limits("cpu", 64), resolve_batch_limits("cpu", 8)
+        ((4096, 256), (2048, 256))
+        >>> resolve_batch_limits("cpu", 64, max_num_seqs=2)
+        (128, 2)
+    """
+    default_tokens, default_seqs = default_batch_limits(device)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_tokens
+        if not enable_chunked_prefill:
+            max_num_batched_tokens = max(max_model_len, max_num_batched_tokens)
+        max_num_batched_tokens = min((max_num_seqs or default_seqs) * max_model_len,
+                                     max_num_batched_tokens)
+    if max_num_seqs is None:
+        max_num_seqs = min(default_seqs, max_num_batched_tokens)
+    return max_num_batched_tokens, max_num_seqs
 
 
 @dataclass
@@ -157,17 +186,9 @@ class LLM:
         self.dtype = next(self.model.parameters()).dtype
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings
-        default_tokens, default_seqs = default_batch_limits(self.device)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_tokens
-            if not enable_chunked_prefill:
-                max_num_batched_tokens = max(self.max_model_len, max_num_batched_tokens)
-            max_num_batched_tokens = min((max_num_seqs or default_seqs) * self.max_model_len,
-                                         max_num_batched_tokens)
-        if max_num_seqs is None:
-            max_num_seqs = min(default_seqs, max_num_batched_tokens)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens, self.max_num_seqs = resolve_batch_limits(
+            self.device, self.max_model_len, max_num_batched_tokens, max_num_seqs,
+            enable_chunked_prefill)
         if async_scheduling is None:
             async_scheduling = self.device.type == "cuda" and not speculative_config
         self.async_scheduling = async_scheduling

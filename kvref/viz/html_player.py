@@ -172,6 +172,9 @@ def player_data(trace: dict) -> dict:
         "hashes": hashes.values,
         "usage": usage, "evictable": evictable, "hits": hits, "queries": queries,
         "touches": {str(b): ops_ for b, ops_ in sorted(player.touches.items())},
+        "kv_events": ({str(b): [list(e) for e in events]
+                       for b, events in sorted(player.kv_events.items())}
+                      if pool.enable_kv_cache_events else None),
         "legend": [[state, GLYPH[state], _colour(STYLE[state]), words]
                    for state, words in LEGEND],
     }

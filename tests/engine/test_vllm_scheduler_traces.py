@@ -101,3 +101,19 @@ def test_the_replay_sees_missing_speculative_padding(monkeypatch):
     monkeypatch.setattr(scheduler_replay, "build_engine", without_padding)
     result = replay_run(doc["runs"][padded[0]])
     assert result.divergence is not None and result.divergent_steps > 0
+
+
+def test_llm_defaults_are_the_ones_vllm_resolves_on_cpu():
+    """The llm_defaults runs used the batch limits vLLM's own EngineArgs gives
+    vllm.LLM on CPU; kvref's LLM resolves the same ones (no torch model needed)."""
+    from kvref.engine.llm import resolve_batch_limits
+
+    doc = load_trace(TRACE_DIR / "llm_defaults.json.gz")
+    for L, chunked, tokens, seqs, want_tokens, want_seqs in doc["llm_defaults_grid"]:
+        assert resolve_batch_limits("cpu", L, tokens, seqs, chunked) == (want_tokens, want_seqs), \
+            (L, chunked, tokens, seqs)
+    for run in doc["runs"]:
+        config = run["config"]
+        assert config["llm_defaults"]
+        assert resolve_batch_limits("cpu", config["max_model_len"]) == (
+            config["max_num_batched_tokens"], config["max_num_seqs"]) == (4096, 256)
