@@ -31,7 +31,6 @@
 
 # %%
 import torch
-import transformers
 from rich.table import Table
 
 from kvref import (ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
@@ -41,6 +40,8 @@ from kvref.engine import LLM, SamplingParams
 from kvref.worker import BlockTable
 
 from _lesson import claim, finish, section, show, start
+
+import transformers  # noqa: E402  after _lesson, which silences tqdm's notebook warning
 
 args = start("Sliding window and chunked-local attention", uses_tensors=True)
 device = torch.device(args.device)

@@ -103,6 +103,10 @@ class RunnerRequestStates:
                 state.num_computed_tokens = num_computed
             if req_id in cached.all_token_ids:
                 state.token_ids = list(cached.all_token_ids[req_id])
+            if cached.num_output_tokens and not self.async_scheduling:
+                # A token sampled over a failed KV load was dropped by the scheduler.
+                # (Async: the runner's tokens run ahead of the scheduler's by design.)
+                del state.token_ids[state.num_prompt_tokens + cached.num_output_tokens[i]:]
             new_block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # A resumed request starts from a fresh table (its old blocks were freed).

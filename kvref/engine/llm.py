@@ -128,6 +128,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     prompt: str | None = None      # the prompt's text, when it was given as text
+    kv_transfer_params: dict | None = None    # what a KV connector returned for it
 
 
 class LLM:
@@ -167,6 +168,11 @@ class LLM:
         async_scheduling: plan step N+1 while the model runs step N
             (``AsyncScheduler`` + ``AsyncEngineCore``); None: vLLM's default
             for the device (see the module docstring).
+        kv_transfer_config: a ``KVTransferConfig`` (``kvref.distributed``): a KV
+            connector, its scheduler half in ``llm.scheduler.connector`` and its
+            worker half in ``llm.model_runner.kv_connector``. Needs a model with
+            one KV cache group (no sliding-window layers), as vLLM's connectors
+            without hybrid-allocator support do.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_gpu_blocks: int | None = None,
@@ -179,7 +185,8 @@ class LLM:
                  enable_kv_cache_events: bool = False,
                  speculative_config: dict | None = None,
                  scheduler_reserve_full_isl: bool = True,
-                 async_scheduling: bool | None = None, tokenizer=None) -> None:
+                 async_scheduling: bool | None = None, tokenizer=None,
+                 kv_transfer_config=None) -> None:
         self.device = torch.device(device)
         self.model = load_model(model, self.device, dtype)
         self.tokenizer = _load_tokenizer(model, tokenizer)
@@ -227,12 +234,14 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_chunked_prefill=enable_chunked_prefill, eos_token_id=config.eos_token_id,
             scheduler_reserve_full_isl=scheduler_reserve_full_isl,
-            num_speculative_tokens=drafter.k if drafter else 0)
+            num_speculative_tokens=drafter.k if drafter else 0,
+            kv_transfer_config=kv_transfer_config)
         self.model_runner = GPUModelRunner(
             self.model, self.kv_cache_config, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_seqs,
             device=self.device, dtype=self.dtype, keep_logits=keep_logits,
-            drafter=drafter, async_scheduling=async_scheduling)
+            drafter=drafter, async_scheduling=async_scheduling,
+            kv_transfer_config=kv_transfer_config)
         self.engine_core = make_engine_core(self.scheduler, self.model_runner)
         self.after_step: list[Callable[[LLM], None]] = []
         self._logits: dict[str, list[torch.Tensor]] = {}
@@ -359,7 +368,8 @@ class LLM:
         completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits, text)
         return RequestOutput(request.request_id, list(request.prompt_token_ids),
                              [completion], True, request.num_cached_tokens,
-                             self._prompt_text.pop(request.request_id, None))
+                             self._prompt_text.pop(request.request_id, None),
+                             kv_transfer_params=request.kv_transfer_params_out)
 
 
 def _as_token_ids(tokens) -> list[int]:

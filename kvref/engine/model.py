@@ -168,6 +168,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: PagedAttentionPlan
+    # The worker half of a KV connector, or None: each attention layer waits for its
+    # load before and hands its KV to save after (vLLM's maybe_transfer_kv_layer).
+    kv_connector: object | None = None
 
 
 class RMSNorm(nn.Module):
@@ -242,6 +245,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_name = f"model.layers.{layer_idx}.self_attn.attn"   # its KV cache's name
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -268,11 +272,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb.rotate(q, k, *rope)        # rope: (cos, sin) of the positions
+        if meta.kv_connector is not None:
+            meta.kv_connector.wait_for_layer_load(self.layer_name)
         meta.plan.write_kv(kv_cache, k, v)            # write_kv, slots checked once per step
         if meta.plan.sliding_window != self.sliding_window:
             raise ValueError(f"layer window {self.sliding_window}, but its metadata was "
                              f"planned for window {meta.plan.sliding_window}")
         out = meta.plan.attend(q, kv_cache, self.scale, self.gather_buffer)   # [T, H, D]
+        if meta.kv_connector is not None:
+            meta.kv_connector.save_kv_layer(self.layer_name, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))          # [T, hidden]
 
 

@@ -51,6 +51,12 @@ class EngineRequest(Request):
         # The last step that scheduled it (the deferred-free fence; vLLM's name).
         self.last_sched_seq = 0
         self.stop_reason: int | None = None
+        # KV connector: what the request asks of it (vLLM reads the same dict from
+        # sampling_params.extra_args["kv_transfer_params"]), and what it said back.
+        extra = self.sampling_params.extra_args or {}
+        self.kv_transfer_params: dict | None = (
+            dict(extra["kv_transfer_params"]) if extra.get("kv_transfer_params") else None)
+        self.kv_transfer_params_out: dict | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -73,6 +79,8 @@ class EngineRequest(Request):
             return "length"
         if self.status == RequestStatus.FINISHED_ABORTED:
             return "abort"
+        if self.status == RequestStatus.FINISHED_ERROR:
+            return "error"
         return None
 
 

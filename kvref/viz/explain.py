@@ -135,7 +135,7 @@ def _allocate_gates(player: TracePlayer, op: dict, req) -> list[str]:
         num_encoder_tokens=kw["num_encoder_tokens"], total_computed_tokens=local + ext,
         num_tokens_main_model=total + n)
     available = free_after - kw["reserved_blocks"]
-    what = f"{needed} blocks"
+    what = f"{needed} block{'' if needed == 1 else 's'}"
     if free_hits:
         what += f" (incl. {free_hits} free cached hit block(s) it takes off the free queue)"
     reserved = f" - {kw['reserved_blocks']} reserved" if kw["reserved_blocks"] else ""

@@ -150,10 +150,8 @@ class P2pConnector(KVConnectorBase_V1):
         if self.is_producer or not params or not params.get("do_remote_prefill"):
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
-        self.stats.num_queried_tokens += request.num_tokens - num_computed_tokens
         if count <= 0:
             return 0, False
-        self.stats.num_hit_tokens += count
         return count, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
