@@ -60,6 +60,7 @@ from kvref.attention.paged_attention import (
     visible_key_range,
     write_kv,  # noqa: F401  (the doctest's cache write)
 )
+from kvref.math_utils import cdiv
 
 __all__ = ["KVGatherBuffer", "PagedAttentionPlan", "fast_paged_attention"]
 
@@ -253,7 +254,7 @@ def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
             and all(n == q_len for n in seq_lens):
         # Whole prompts, no context: key i is position i, query i sees keys 0..i.
         # (Measured on a 4 x 512 prefill: ~20% faster than the boolean mask.)
-        num_cols = -(-q_len // block_size)
+        num_cols = cdiv(q_len, block_size)
         cols = torch.arange(num_cols, device=device).expand(len(reqs), num_cols)
         table = block_table if reqs == list(range(len(reqs))) else block_table[reqs]
         return _Batch(q_len=q_len, num_reqs=len(reqs), num_keys=num_cols * block_size,

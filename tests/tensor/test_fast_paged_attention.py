@@ -166,7 +166,7 @@ def test_whole_prompts_read_only_their_own_slots(query_lens):
     token): every slot past each prompt is NaN, and the answer is the reference's."""
     query, cache, batch = _random_batch(5, query_lens, list(query_lens))
     for r, n in enumerate(query_lens):
-        blocks = batch["block_table"][r, : -(-n // 4)].tolist()
+        blocks = batch["block_table"][r, :cdiv(n, 4)].tolist()
         last = blocks[-1]
         cache[last, :, n - (len(blocks) - 1) * 4:] = float("nan")   # the last block's tail
     cache[0] = float("nan")                                          # the null block
