@@ -118,6 +118,22 @@ show(f"bound {bound}, peak {peak}, table entries {len(manager.get_block_ids('lon
 claim(bound == 4 and peak == 4, "the request peaks at exactly the bound, 4 blocks")
 
 # %% [markdown]
+# The same per-group numbers, summed, are the smallest pool an engine starts
+# with: vLLM's start-up check (`_check_enough_kv_cache_memory` over
+# `_max_memory_usage_bytes_from_groups`) wants one request of `max_model_len`
+# to fit, and kvref's `LLM` refuses a smaller `num_gpu_blocks` with the same
+# sum (plus the null block). A window can need one block more than the whole
+# sequence: with `max_model_len` 64, block 4, window 8 and a 2048-token batch,
+# `cdiv(min(8 - 1 + 2048, 64), 4) + 1 = 17`, while the sequence fills 16.
+
+# %%
+short = SlidingWindowSpec(4, 8).max_num_blocks_per_request(max_model_len=64,
+                                                           max_num_batched_tokens=2048)
+show(f"window 8, block 4, max_model_len 64: {short} blocks; full attention: "
+     f"{FullAttentionSpec(4).max_num_blocks_per_request(max_model_len=64)}")
+claim(short == 17, "the window group's start-up share is 17 blocks, one more than 64 / 4")
+
+# %% [markdown]
 # ## 3. How many requests fit
 #
 # `get_max_concurrency_for_kv_cache_config` divides the pool by one request's
