@@ -23,14 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvref import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    KVCacheBlock,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from kvref import CrossAttentionSpec, KVCacheBlock, KVCacheSpec, MambaSpec
+
+from .exact_model import return_to_queue, skipped_tokens
 
 # Prompts share these prefixes; "sys-A+tools" extends "sys-A", so hits nest.
 SHARED_PREFIXES: dict[str, list[int]] = {
@@ -70,12 +65,9 @@ class Content:
 
 
 def first_token_read(spec: KVCacheSpec, position: int) -> int:
-    """The first earlier token that the token at ``position`` attends to."""
-    if isinstance(spec, SlidingWindowSpec):
-        return max(0, position - spec.sliding_window + 1)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return position // spec.attention_chunk_size * spec.attention_chunk_size
-    return 0
+    """The first earlier token that the token at ``position`` attends to: the
+    tokens before it are the ones skipped once ``position`` tokens are computed."""
+    return skipped_tokens(spec, position)
 
 
 def blocks_read_from(spec: KVCacheSpec, num_tokens: int) -> range | list[int]:
@@ -145,14 +137,14 @@ class PoolObserver:
         blocks = list(ordered_blocks)
         self._check_tail_first(blocks)
         self._free_blocks(blocks)
-        uncached, cached = [], []
+        released = []
         for block in blocks:
             if block.is_null:
                 continue
             self.refs[block.block_id] -= 1
             if self.refs[block.block_id] == 0:
-                (uncached if block.block_hash is None else cached).append(block.block_id)
-        self.free_list = uncached + self.free_list + cached
+                released.append(block)
+        self.free_list = return_to_queue(self.free_list, released)
 
     def _check_tail_first(self, blocks: list[KVCacheBlock]) -> None:
         real = [b.block_id for b in blocks if not b.is_null]

@@ -24,6 +24,7 @@ import kvref.core.kv_cache_utils as kv_cache_utils
 from kvref import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    KVCacheBlock,
     KVCacheSpec,
     RequestStatus,
     SlidingWindowSpec,
@@ -39,6 +40,14 @@ def skipped_tokens(spec: KVCacheSpec, num_computed: int) -> int:
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return num_computed // spec.attention_chunk_size * spec.attention_chunk_size
     return 0
+
+
+def return_to_queue(queue: list[int], blocks: list[KVCacheBlock]) -> list[int]:
+    """The free queue after ``blocks`` (all now at ref_cnt 0, in free order) come
+    back: those without a hash to the head, cached ones to the tail (INV-EVICT-1)."""
+    uncached = [b.block_id for b in blocks if b.block_hash is None]
+    cached = [b.block_id for b in blocks if b.block_hash is not None]
+    return uncached + queue + cached
 
 
 def admission_cap(spec: KVCacheSpec, max_num_batched_tokens: int,
@@ -115,9 +124,7 @@ def predict_allocation(*, specs, tables, hits, request, num_new_tokens: int,
                 break
             if table[p].ref_cnt == 1:
                 freed.append(table[p])
-        uncached = [b.block_id for b in freed if b.block_hash is None]
-        cached = [b.block_id for b in freed if b.block_hash is not None]
-        queue = uncached + queue + cached
+        queue = return_to_queue(queue, freed)
     needed = need(slots, capped=False)
     if needed + wm > len(queue) - reserved_blocks:
         result.why = (f"needs {needed} + watermark {wm} > {len(queue)} free "
@@ -191,4 +198,4 @@ def is_plain_full_attention(spec: KVCacheSpec) -> bool:
 
 __all__ = ["Allocation", "admission_cap", "cdiv", "expected_block_hashes",
            "expected_extra_keys", "is_plain_full_attention", "predict_allocation",
-           "skipped_tokens"]
+           "return_to_queue", "skipped_tokens"]
