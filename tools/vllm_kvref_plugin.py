@@ -2,13 +2,14 @@
 vLLM's KV layer replaced by kvref's, and record every test's outcome.
 
 Loaded with ``-p vllm_kvref_plugin`` (``tools/`` on ``PYTHONPATH``), in the
-vLLM oracle environment's python. Two switches, read from the environment:
+vLLM oracle environment's python. Three switches, read from the environment:
 
 - ``KVREF_SWAP=1``: before any test module is imported, the modules of vLLM's
   KV layer (``SWAPPED`` below) are replaced, in ``sys.modules`` and as
   attributes of their packages, by kvref's modules of the same role. Every
   other vLLM module (the scheduler, requests, configs, events, the workers)
   stays vLLM's and imports kvref's classes through vLLM's own module names.
+- ``KVREF_CPU_PLATFORM=1``: vLLM's CPU platform is set (see ``_cpu_platform``).
 - ``KVREF_OUTCOMES=PATH``: at the end, a JSON object ``{nodeid: outcome}`` is
   written there (``passed``, ``failed``, ``skipped``, ``error``) with the first
   line of each failure's message under ``"messages"``.
@@ -49,8 +50,20 @@ def _swap() -> None:
         setattr(parent, leaf, module)
 
 
+def _cpu_platform() -> None:
+    """The oracle is vLLM's Python source without a platform build, so vLLM
+    cannot tell it runs on a CPU; the scheduler tests' configs need a device.
+    Set vLLM's CPU platform (both runs, vLLM and kvref alike)."""
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+
+
 if os.environ.get("KVREF_SWAP") == "1":
     _swap()
+if os.environ.get("KVREF_CPU_PLATFORM") == "1":
+    _cpu_platform()
 
 _outcomes: dict[str, str] = {}
 _messages: dict[str, str] = {}

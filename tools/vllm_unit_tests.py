@@ -20,8 +20,11 @@ What it does:
 3. Prints per file: tests collected, passing on vLLM, passing on kvref; every
    test that passes on vLLM and fails on kvref with its message; and the
    tests expected to fail on kvref (``EXPECTED_KVREF_FAILURES``), each with
-   the reason. It exits 1 if any other test that passes on vLLM fails on
-   kvref, or if an expected failure passes (the list would be stale).
+   the reason, and those of features kvref keeps out (``NOT_MODELLED``). It
+   exits 1 if any other test that passes on vLLM fails on kvref, or if an
+   expected failure passes (the list would be stale); 2 if only not-modelled
+   features' tests fail; 0 when every test passing on vLLM passes on kvref
+   but the listed internals.
 
 vLLM's top-level ``tests/conftest.py`` is not used: it imports vLLM's model
 runners, HuggingFace and test assets, none of which these files use (its
@@ -84,8 +87,64 @@ HELPER_FILES = [
 
 # Tests that pass on vLLM and are expected to fail on kvref, each with why a
 # reimplementation of the KV layer need not (or cannot) pass it. nodeid -> reason.
+_OUTSIDE_POOL = ("builds KVCacheBlocks outside the pool (ref_cnt 0) and frees them: vLLM "
+                 "lets ref_cnt go to -1, kvref's free_blocks refuses to free a block more "
+                 "times than it is referenced (ValueError)")
 EXPECTED_KVREF_FAILURES: dict[str, str] = {
+    "tests/v1/core/test_single_type_kv_cache_manager.py::"
+    "test_sliding_window_remove_skipped_blocks": _OUTSIDE_POOL,
+    "tests/v1/core/test_single_type_kv_cache_manager.py::"
+    "test_chunked_local_attention_remove_skipped_blocks": _OUTSIDE_POOL,
+    "tests/v1/core/test_single_type_kv_cache_manager.py::"
+    "test_rswa_remove_skipped_blocks_gap_range": _OUTSIDE_POOL,
+    "tests/v1/core/test_kv_cache_utils.py::test_free_kv_cache_block_queue_append_n":
+        "corrupts the queue's tail sentinel by hand and expects vLLM's internal assert; "
+        "kvref's append_n first refuses the block as already queued (RuntimeError)",
 }
+
+
+# Features kvref keeps out for now (the README says why): a test whose node id
+# contains the key is counted as a not-modelled gap, not as a failure of the
+# layer kvref does model. Exit 2 while any remain.
+NOT_MODELLED: dict[str, str] = {
+    "prefix_cache/test_partial_prefix_cache_primitives.py":
+        "partial-block prefix entries (BlockPool.cache_partial_block): no caller in "
+        "vLLM 0.25.1 outside the block pool",
+    "test_prefix_caching.py::test_hybrid_local_kv_retention":
+        "prefix-cache retention intervals (VLLM_PREFIX_CACHE_RETENTION_INTERVAL, opt-in)",
+}
+
+
+def not_modelled(nodeid: str) -> str | None:
+    return next((why for key, why in NOT_MODELLED.items() if key in nodeid), None)
+
+
+# The scheduler tests build vLLM's ModelConfig for facebook/opt-125m, which
+# reads the model's config.json from the HuggingFace hub. This machine has no
+# hub access, so the tool writes that file (the model's published architecture
+# numbers; no weights, no tokenizer) into a private offline hub cache.
+OPT_125M_CONFIG = {
+    "architectures": ["OPTForCausalLM"], "model_type": "opt", "activation_function": "relu",
+    "attention_dropout": 0.0, "bos_token_id": 2, "do_layer_norm_before": True,
+    "dropout": 0.1, "eos_token_id": 2, "ffn_dim": 3072, "hidden_size": 768,
+    "init_std": 0.02, "layerdrop": 0.0, "max_position_embeddings": 2048,
+    "num_attention_heads": 12, "num_hidden_layers": 12, "pad_token_id": 1,
+    "prefix": "</s>", "torch_dtype": "float16", "use_cache": True, "vocab_size": 50272,
+    "word_embed_proj_dim": 768,
+}
+
+
+def offline_hub(cache: pathlib.Path) -> pathlib.Path:
+    """An ``HF_HOME`` whose hub cache holds facebook/opt-125m's config.json."""
+    home = cache / "hf"
+    repo = home / "hub" / "models--facebook--opt-125m"
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (snapshot / "config.json").write_text(json.dumps(OPT_125M_CONFIG, indent=1))
+    return home
 
 
 def fetch_sdist(cache: pathlib.Path) -> pathlib.Path:
@@ -143,22 +202,34 @@ def stage_tests(sdist: pathlib.Path, stage: pathlib.Path) -> None:
 
 
 def ensure_pytest(python: str) -> None:
-    have = subprocess.run([python, "-c", "import pytest, pytest_asyncio"],
+    """pytest, pytest-asyncio (async scheduler tests) and pytest-timeout (a
+    hung test fails instead of stalling the run) in the oracle environment."""
+    have = subprocess.run([python, "-c", "import pytest, pytest_asyncio, pytest_timeout"],
                           capture_output=True).returncode == 0
     if not have:
         subprocess.run([python, "-m", "pip", "install", "-q", "pytest",
-                        "pytest-asyncio"], check=True)
+                        "pytest-asyncio", "pytest-timeout"], check=True)
 
 
 def run_pytest(python: str, stage: pathlib.Path, files: list[str], swap: bool,
-               out: pathlib.Path) -> dict:
+               out: pathlib.Path, timeout: int | None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tools"), str(ROOT), str(stage)])
     env["KVREF_OUTCOMES"] = str(out)
     env["KVREF_SWAP"] = "1" if swap else "0"
     env.setdefault("PYTHONHASHSEED", "0")
+    # No hub: opt-125m's config comes from offline_hub; tests that need any
+    # other model's config fail at once (on vLLM too, so they are not counted)
+    # instead of waiting on the network.
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["HF_HOME"] = str(offline_hub(out.parent))
+    env["KVREF_CPU_PLATFORM"] = "1"
     cmd = [python, "-m", "pytest", "-q", "-p", "vllm_kvref_plugin", "-p",
-           "no:cacheprovider", "-W", "ignore", "--rootdir", str(stage), *files]
+           "no:cacheprovider", "-W", "ignore", "--rootdir", str(stage)]
+    if timeout:
+        cmd += ["--timeout", str(timeout)]
+    cmd += files
     print(f"running {'kvref' if swap else 'vLLM'}: {len(files)} files", file=sys.stderr)
     proc = subprocess.run(cmd, cwd=stage, env=env, capture_output=True, text=True)
     if not out.exists():
@@ -200,7 +271,8 @@ def report(files: list[str], on_vllm: dict, on_kvref: dict, markdown: bool) -> i
         return msg
 
     gaps = sorted(n for n in passed_vllm if n not in passed_kvref)
-    unexpected = [n for n in gaps if n not in EXPECTED_KVREF_FAILURES]
+    kept_out = [n for n in gaps if not_modelled(n) and n not in EXPECTED_KVREF_FAILURES]
+    unexpected = [n for n in gaps if n not in EXPECTED_KVREF_FAILURES and n not in kept_out]
     expected = [n for n in gaps if n in EXPECTED_KVREF_FAILURES]
     stale = sorted(n for n in EXPECTED_KVREF_FAILURES if n in passed_kvref)
     unknown = sorted(n for n in EXPECTED_KVREF_FAILURES
@@ -209,6 +281,9 @@ def report(files: list[str], on_vllm: dict, on_kvref: dict, markdown: bool) -> i
     for n in expected:
         print(f"  {n}\n      why expected: {EXPECTED_KVREF_FAILURES[n]}\n"
               f"      failure: {why(n)}")
+    print(f"\nnot modelled by kvref yet ({len(kept_out)}):")
+    for n in kept_out:
+        print(f"  {n}\n      feature: {not_modelled(n)}\n      failure: {why(n)}")
     print(f"\nfailing on kvref, passing on vLLM, not expected ({len(unexpected)}):")
     for n in unexpected:
         print(f"  {n}\n      {why(n)}")
@@ -222,7 +297,9 @@ def report(files: list[str], on_vllm: dict, on_kvref: dict, markdown: bool) -> i
         for n in not_on_vllm:
             print(f"  {n}: {on_vllm['outcomes'].get(n, 'not run')} "
                   f"{on_vllm['messages'].get(n, '')[:120]}")
-    return 1 if unexpected or stale or unknown else 0
+    if unexpected or stale or unknown:
+        return 1
+    return 2 if kept_out else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only test files whose path contains this")
     parser.add_argument("--markdown", action="store_true",
                         help="print the table as markdown")
+    parser.add_argument("--timeout", type=int, default=300,
+                        help="seconds one test may take (0: no limit)")
+    parser.add_argument("--only-kvref", action="store_true",
+                        help="reuse the last vLLM run's outcomes (in --cache)")
     args = parser.parse_args(argv)
     if not os.path.exists(args.python):
         raise SystemExit(f"{args.python}: no vLLM oracle environment; make one with "
@@ -246,8 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     stage = cache / "stage"
     stage_tests(fetch_sdist(cache), stage)
     ensure_pytest(args.python)
-    on_vllm = run_pytest(args.python, stage, files, False, cache / "on_vllm.json")
-    on_kvref = run_pytest(args.python, stage, files, True, cache / "on_kvref.json")
+    vllm_out = cache / "on_vllm.json"
+    if args.only_kvref and vllm_out.exists():
+        on_vllm = json.loads(vllm_out.read_text())
+    else:
+        on_vllm = run_pytest(args.python, stage, files, False, vllm_out, args.timeout)
+    on_kvref = run_pytest(args.python, stage, files, True, cache / "on_kvref.json",
+                          args.timeout)
     return report(files, on_vllm, on_kvref, args.markdown)
 
 
