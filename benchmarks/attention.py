@@ -1,14 +1,19 @@
-"""kvref's reference paged attention against dense SDPA on the same shapes.
+"""Paged attention, both kvref paths, against dense SDPA on the same data.
 
-No vLLM counterpart (benchmark harness). ``kvref.attention.paged_attention``
-is written to be read: per request it gathers the keys and values named by
-the block table and runs softmax attention. This measures what that clarity
-costs against ``torch.nn.functional.scaled_dot_product_attention`` on the same
-queries, keys and values laid out densely (one contiguous ``[batch, heads,
-seq, head_size]`` tensor, no paging), for a decode batch and a prefill batch,
-on the CPU and on CUDA when present. Each case also reports the largest
-difference between the two outputs (it is a benchmark, not a test; the tests
-are in ``tests/``).
+No vLLM counterpart (benchmark harness). kvref has two paged attentions:
+``paged_attention``, the per-request reference written to be read, and
+``fast_paged_attention``, what the engine runs (one gather through the block
+table per batch of equal query lengths, then ``scaled_dot_product_attention``).
+Both are timed against ``torch.nn.functional.scaled_dot_product_attention`` on
+the same queries, keys and values laid out densely (one contiguous ``[batch,
+heads, seq, head_size]`` tensor, no paging), in two forms: keys repeated per
+query head with a boolean mask (what ``transformers``' SDPA attention does
+when a mask is given, ``repeat_kv``), and keys not repeated (``enable_gqa``).
+The runs alternate (reference, fast, dense, dense GQA, reference, ...);
+medians of process CPU time on the CPU (the wall clock also times the other
+jobs of a shared machine; both are kept in the JSON), wall time with a
+synchronise on CUDA. Each row also reports the largest difference from dense
+(a benchmark, not a test: the tests are in ``tests/tensor``).
 
     python benchmarks/attention.py                   # every case, every device
     python benchmarks/attention.py --device cpu --repeats 5
@@ -42,16 +47,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _median_seconds(fn, device: str, repeats: int) -> float:
-    fn()  # warm-up (allocator, kernels)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
+def _clock(device: str) -> tuple[float, float]:
+    _sync(device)
+    return time.perf_counter(), time.process_time()
+
+
+def time_alternated(fns: dict, device: str, repeats: int) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds of each function, run in turn ``repeats`` times
+    (a, b, c, a, b, c, ...) after one warm-up each."""
+    for fn in fns.values():
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            w0, c0 = _clock(device)
+            fn()
+            w1, c1 = _clock(device)
+            wall[name].append(w1 - w0)
+            cpu[name].append(c1 - c0)
+    return {name: {"wall": statistics.median(wall[name]), "cpu": statistics.median(cpu[name])}
+            for name in fns}
 
 
 def build_case(num_reqs: int, context: int, query_len: int, device: str, dtype):
@@ -95,28 +111,37 @@ def build_case(num_reqs: int, context: int, query_len: int, device: str, dtype):
 def run_case(name, num_reqs, context, query_len, device, repeats) -> dict:
     import torch
     import torch.nn.functional as F
-    from kvref.attention import paged_attention
+    from kvref.attention import KVGatherBuffer, fast_paged_attention, paged_attention
 
     dtype = torch.float32
     paged, dense = build_case(num_reqs, context, query_len, device, dtype)
+    group = NUM_HEADS // NUM_KV_HEADS
+    # The same keys once per KV head, for SDPA's own grouped-query path.
+    key_gqa = dense["key"][:, ::group].contiguous()
+    value_gqa = dense["value"][:, ::group].contiguous()
+    buffer = KVGatherBuffer()
 
-    def run_paged():
-        return paged_attention(**paged)
-
-    def run_dense():
-        return F.scaled_dot_product_attention(dense["query"], dense["key"], dense["value"],
-                                              attn_mask=dense["attn_mask"],
-                                              scale=paged["scale"])
-
+    fns = {
+        "reference": lambda: paged_attention(**paged),
+        "fast": lambda: fast_paged_attention(**paged, buffer=buffer),
+        "dense": lambda: F.scaled_dot_product_attention(
+            dense["query"], dense["key"], dense["value"], attn_mask=dense["attn_mask"],
+            scale=paged["scale"]),
+        "dense_gqa": lambda: F.scaled_dot_product_attention(
+            dense["query"], key_gqa, value_gqa, attn_mask=dense["attn_mask"],
+            scale=paged["scale"], enable_gqa=True),
+    }
     with torch.no_grad():
-        t_paged = _median_seconds(run_paged, device, repeats)
-        t_dense = _median_seconds(run_dense, device, repeats)
-        want = run_dense().transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_SIZE)
-        diff = (run_paged() - want).abs().max().item()
-    tokens = num_reqs * query_len
-    return {"case": name, "device": device, "paged_ms": t_paged * 1e3,
-            "sdpa_ms": t_dense * 1e3, "ratio": t_paged / t_dense,
-            "paged_tokens_per_s": tokens / t_paged, "max_abs_diff": diff}
+        times = time_alternated(fns, device, repeats)
+        want = fns["dense"]().transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_SIZE)
+        diff = {name: (fns[name]() - want).abs().max().item() for name in ("reference", "fast")}
+    kind = "wall" if device.startswith("cuda") else "cpu"
+    ms = {name: t[kind] * 1e3 for name, t in times.items()}
+    return {"case": name, "device": device, "clock": kind, "ms": ms, "times_s": times,
+            "fast_over_dense": ms["fast"] / ms["dense"],
+            "fast_over_dense_gqa": ms["fast"] / ms["dense_gqa"],
+            "reference_over_dense": ms["reference"] / ms["dense"],
+            "max_abs_diff": diff}
 
 
 def use_threads(n: int) -> None:
@@ -135,16 +160,26 @@ def run_all(device_list, repeats: int) -> list[dict]:
     return [run_case(*case, device, repeats) for device in device_list for case in CASES]
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], repeats: int) -> str:
     import torch
     lines = [f"Heads {NUM_HEADS} (KV heads {NUM_KV_HEADS}), head size {HEAD_SIZE}, block size "
-             f"{BLOCK_SIZE}, float32, median of runs, CPU threads: {torch.get_num_threads()}.",
+             f"{BLOCK_SIZE}, float32, blocks handed out shuffled; median of {repeats} "
+             f"alternated runs (process CPU time on the CPU); CPU threads: "
+             f"{torch.get_num_threads()}. Dense: SDPA on contiguous keys, repeated per query "
+             "head (`repeat_kv`, as transformers does with a mask); dense GQA: not repeated "
+             "(`enable_gqa`).",
              "",
-             "| case | device | kvref paged ms | SDPA dense ms | paged / SDPA | max abs diff |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| case | device | reference ms | fast ms | dense ms | dense GQA ms "
+             "| **fast / dense** | fast / dense GQA | reference / dense | max abs diff |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['device']} | {r['paged_ms']:.2f} | {r['sdpa_ms']:.2f}"
-                     f" | {r['ratio']:.1f} | {r['max_abs_diff']:.1e} |")
+        m = r["ms"]
+        lines.append(f"| {r['case']} | {r['device']} | {m['reference']:.1f} | {m['fast']:.1f} | "
+                     f"{m['dense']:.1f} | {m['dense_gqa']:.1f} | **{r['fast_over_dense']:.2f}** | "
+                     f"{r['fast_over_dense_gqa']:.2f} | {r['reference_over_dense']:.1f} | "
+                     f"{max(r['max_abs_diff'].values()):.1e} |")
+    if not any(r["device"].startswith("cuda") for r in rows):
+        lines.append("| (every case) | cuda | skipped: no GPU present | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -153,7 +188,7 @@ def run_for_report(repeats: int = 5, threads: int = 1) -> tuple[str, list[dict]]
     import kvref.attention  # noqa: F401  (ImportError: the tensor side is not installed)
     use_threads(threads)
     rows = run_all(devices(), repeats)
-    return table(rows), rows
+    return table(rows, repeats), rows
 
 
 def main(argv=None) -> None:
@@ -164,7 +199,7 @@ def main(argv=None) -> None:
                         help="torch CPU threads for both sides (default: %(default)s)")
     args = parser.parse_args(argv)
     use_threads(args.threads)
-    print(table(run_all(args.device or devices(), args.repeats)))
+    print(table(run_all(args.device or devices(), args.repeats), args.repeats))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,6 +47,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_VLLM_PYTHON = "/root/.cache/vllm-oracle/bin/python"
+# Untracked by default (benchmarks/out/ is in .gitignore): a run rewrites nothing
+# tracked unless asked; the README's figure is refreshed with --plot benchmarks/scaling.png.
+DEFAULT_PLOT = HERE / "out" / "scaling.png"
 TRACES = ROOT / "tests" / "conformance" / "traces"
 SECTIONS = ("traces", "scaling", "statemachine", "attention", "engine")
 EXTRA_SECTIONS = ("ops",)  # run only when named
@@ -89,7 +93,7 @@ class Worker:
 def start_workers(args) -> dict[str, Worker]:
     workers = {"kvref": Worker("kvref", sys.executable)}
     if not workers["kvref"].ready:
-        raise SystemExit(f"kvref worker failed to start: {workers['kvref'].error}")
+        raise RuntimeError(f"kvref worker failed to start: {workers['kvref'].error}")
     if args.no_vllm:
         print("vLLM: not run (--no-vllm); kvref only")
         return workers
@@ -305,7 +309,7 @@ def plot(result: dict, sizes: list[int], traces: dict | None, path: Path) -> Non
 # -- main --------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="kvref benchmarks (see benchmarks/README.md)")
     parser.add_argument("sections", nargs="*",
                         help=f"any of {', '.join(SECTIONS)} (default: all)")
@@ -326,7 +330,14 @@ def main(argv=None) -> int:
                         help="torch CPU threads in the attention and engine sections")
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the tables here")
-    parser.add_argument("--plot", type=Path, default=HERE / "scaling.png")
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT,
+                        help="where the scaling figure goes (default: %(default)s, ignored "
+                             "by git; the README's figure is benchmarks/scaling.png)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     sections = args.sections or list(SECTIONS)
     unknown = sorted(set(sections) - set(SECTIONS) - set(EXTRA_SECTIONS))
@@ -339,83 +350,128 @@ def main(argv=None) -> int:
     results: dict = {"started": started.isoformat(), "command": " ".join(sys.argv)}
     markdown = [f"Command: `python {' '.join(sys.argv)}`, started {started:%Y-%m-%d %H:%M} UTC, "
                 f"{os.cpu_count()} CPUs."]
+    outcome: dict[str, str] = {}          # section -> "ok", "skipped: ...", "failed: ..."
+
+    def section(name: str, body) -> None:
+        """Run one section; a missing dependency or an error is reported, and the
+        other sections still run."""
+        try:
+            body()
+            outcome[name] = "ok"
+        except ModuleNotFoundError as error:
+            outcome[name] = (f"skipped: needs the {error.name!r} module "
+                             "(pip install -e '.[test]' brings every benchmark dependency)")
+        except Exception as error:                      # noqa: BLE001 (reported, not hidden)
+            traceback.print_exc()
+            outcome[name] = f"failed: {type(error).__name__}: {error}"
+        if outcome[name] != "ok":
+            print(f"\n== {name}: {outcome[name]}", flush=True)
+            markdown.extend(["", f"### {name}", "", outcome[name]])
+
     needs_workers = {"traces", "scaling", "ops"} & set(sections)
-    workers = start_workers(args) if needs_workers else {}
+    workers: dict[str, Worker] = {}
+    if needs_workers:
+        section("workers", lambda: workers.update(start_workers(args)))
+    if needs_workers and not workers:
+        for name in sorted(needs_workers):
+            outcome[name] = "skipped: no worker process (see workers)"
     try:
-        if "traces" in sections:
-            classes = ([c for c in args.classes.split(",") if c] or
-                       sorted(p.name for p in TRACES.iterdir() if p.is_dir()))
-            modes = [m for m in args.modes.split(",") if m]
-            print(f"\n== traces: {len(classes)} classes, {args.repeats} alternated runs of "
-                  f"{args.passes} passes, modes {modes}")
-            results["traces"] = run_traces(workers, classes, args.repeats, args.passes, modes)
-            for mode in modes:
-                table = traces_table(results["traces"][mode], "vllm" in workers)
-                title = (f"Recorded traces, mode `{mode}` ({TRACE_MODES[mode]}); ms per pass "
-                         "over a class's 20 traces, min / **median** / max; ratio = kvref "
-                         "median / vLLM median")
-                print(f"\n{title}\n{table}")
-                markdown += ["", f"### {title}", "", table]
-        if "ops" in sections:
-            classes = ([c for c in args.classes.split(",") if c] or
-                       sorted(p.name for p in TRACES.iterdir() if p.is_dir()))
-            print(f"\n== ops: per-op time (each call timed alone), {args.passes} passes")
-            for cls in classes:
-                print(ops_table(cls, {side: w.ask(cmd="by_op", cls=cls, passes=args.passes)
-                                      for side, w in workers.items()}))
-        if "scaling" in sections:
-            sizes = [int(float(s)) for s in args.sizes.split(",")]
-            print(f"\n== scaling: pools of {sizes} blocks, {args.requests} requests per run")
-            results["scaling"] = run_scaling(workers, sizes, args.repeats, args.requests)
-            table = scaling_table(results["scaling"], sizes)
-            print(table)
-            markdown += ["", "### Per-call cost vs pool size (median of runs)", "", table]
-            try:
-                plot(results["scaling"], sizes, results.get("traces"), args.plot)
-                print(f"plot: {args.plot}")
-            except ModuleNotFoundError as error:      # the tables above still stand
-                print(f"plot: not drawn, {error.name} is not installed "
-                      "(pip install -e '.[tutorials]' brings it)")
+        if workers:
+            if "traces" in sections:
+                section("traces", lambda: run_traces_section(args, workers, results, markdown))
+            if "ops" in sections:
+                section("ops", lambda: run_ops_section(args, workers))
+            if "scaling" in sections:
+                section("scaling", lambda: run_scaling_section(args, workers, results,
+                                                               markdown))
     finally:
         for worker in workers.values():
             worker.close()
-
     if "statemachine" in sections:
-        import statemachine
-        print("\n== statemachine: steps per second of the manager machine")
-        rows = []
-        for name, machine in sorted(statemachine.machines().items()):
-            n, wall, cpu = statemachine.steps_per_second(machine, examples=20, steps=50)
-            rows.append((name, n, n / wall, n / cpu))
-            print(f"  {name:40s} {n:5d} steps {n / wall:7.0f}/s wall {n / cpu:7.0f}/s CPU",
-                  flush=True)
-        results["statemachine"] = {name: {"steps": n, "per_s_wall": w, "per_s_cpu": c}
-                                   for name, n, w, c in rows}
-        total = sum(r[1] for r in rows) / sum(r[1] / r[2] for r in rows)
-        markdown += ["", "### State machine throughput", "",
-                     f"{sum(r[1] for r in rows)} steps over {len(rows)} configs: "
-                     f"**{total:.0f} steps/s** (wall), from "
-                     f"{min(r[2] for r in rows):.0f} ({min(rows, key=lambda r: r[2])[0]}) to "
-                     f"{max(r[2] for r in rows):.0f} ({max(rows, key=lambda r: r[2])[0]})."]
+        section("statemachine", lambda: run_statemachine_section(results, markdown))
     for name in ("attention", "engine"):
         if name in sections:
-            print(f"\n== {name}")
-            module = __import__(name)
-            try:
-                text, data = module.run_for_report(threads=args.torch_threads)
-            except ImportError as exc:
-                text, data = f"skipped: {exc}", None
-            print(text)
-            results[name] = data
-            markdown += ["", f"### {name.capitalize()}", "", text]
+            section(name, lambda name=name: run_tensor_section(name, args, results, markdown))
 
+    results["sections"] = outcome
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
         print(f"results: {args.json}")
     if args.markdown:
         args.markdown.write_text("\n".join(markdown) + "\n")
         print(f"tables: {args.markdown}")
-    return 0
+    print("\nsections: " + ", ".join(f"{name} {state}" for name, state in outcome.items()))
+    return 1 if any(state.startswith("failed") for state in outcome.values()) else 0
+
+
+def run_traces_section(args, workers, results: dict, markdown: list[str]) -> None:
+    classes = ([c for c in args.classes.split(",") if c] or
+               sorted(p.name for p in TRACES.iterdir() if p.is_dir()))
+    modes = [m for m in args.modes.split(",") if m]
+    print(f"\n== traces: {len(classes)} classes, {args.repeats} alternated runs of "
+          f"{args.passes} passes, modes {modes}")
+    results["traces"] = run_traces(workers, classes, args.repeats, args.passes, modes)
+    for mode in modes:
+        table = traces_table(results["traces"][mode], "vllm" in workers)
+        title = (f"Recorded traces, mode `{mode}` ({TRACE_MODES[mode]}); ms per pass "
+                 "over a class's 20 traces, min / **median** / max; ratio = kvref "
+                 "median / vLLM median")
+        print(f"\n{title}\n{table}")
+        markdown += ["", f"### {title}", "", table]
+
+
+def run_ops_section(args, workers) -> None:
+    classes = ([c for c in args.classes.split(",") if c] or
+               sorted(p.name for p in TRACES.iterdir() if p.is_dir()))
+    print(f"\n== ops: per-op time (each call timed alone), {args.passes} passes")
+    for cls in classes:
+        print(ops_table(cls, {side: w.ask(cmd="by_op", cls=cls, passes=args.passes)
+                              for side, w in workers.items()}))
+
+
+def run_scaling_section(args, workers, results: dict, markdown: list[str]) -> None:
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    print(f"\n== scaling: pools of {sizes} blocks, {args.requests} requests per run")
+    results["scaling"] = run_scaling(workers, sizes, args.repeats, args.requests)
+    table = scaling_table(results["scaling"], sizes)
+    print(table)
+    markdown += ["", "### Per-call cost vs pool size (median of runs)", "", table]
+    try:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot(results["scaling"], sizes, results.get("traces"), args.plot)
+        print(f"plot: {args.plot}")
+    except ModuleNotFoundError as error:      # the tables above still stand
+        print(f"plot: not drawn, {error.name} is not installed "
+              "(pip install -e '.[tutorials]' brings it)")
+
+
+def run_statemachine_section(results: dict, markdown: list[str]) -> None:
+    import statemachine
+    statemachine.machines()          # ModuleNotFoundError here when hypothesis is missing
+    print("\n== statemachine: steps per second of the manager machine")
+    rows = []
+    for name, machine in sorted(statemachine.machines().items()):
+        n, wall, cpu = statemachine.steps_per_second(machine, examples=20, steps=50)
+        rows.append((name, n, n / wall, n / cpu))
+        print(f"  {name:40s} {n:5d} steps {n / wall:7.0f}/s wall {n / cpu:7.0f}/s CPU",
+              flush=True)
+    results["statemachine"] = {name: {"steps": n, "per_s_wall": w, "per_s_cpu": c}
+                               for name, n, w, c in rows}
+    total = sum(r[1] for r in rows) / sum(r[1] / r[2] for r in rows)
+    markdown += ["", "### State machine throughput", "",
+                 f"{sum(r[1] for r in rows)} steps over {len(rows)} configs: "
+                 f"**{total:.0f} steps/s** (wall), from "
+                 f"{min(r[2] for r in rows):.0f} ({min(rows, key=lambda r: r[2])[0]}) to "
+                 f"{max(r[2] for r in rows):.0f} ({max(rows, key=lambda r: r[2])[0]})."]
+
+
+def run_tensor_section(name: str, args, results: dict, markdown: list[str]) -> None:
+    print(f"\n== {name}", flush=True)
+    module = __import__(name)
+    text, data = module.run_for_report(threads=args.torch_threads)
+    print(text)
+    results[name] = data
+    markdown += ["", f"### {name.capitalize()}", "", text]
 
 
 if __name__ == "__main__":

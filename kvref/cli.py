@@ -1,16 +1,19 @@
 """The ``kvref`` command line.
 
-    kvref demo [--workload W] [--steps N] [--no-animate]   watch the cache work, narrated
-    kvref viz TRACE | --workload W [--export F.svg|F.html]  step through a trace
+    kvref demo [--workload W] [--steps N] [--pause S]      watch the cache work, narrated
+    kvref viz TRACE | --workload W [--export F.svg|F.html]  step through a trace (full screen)
     kvref record --workload W -o FILE                       write a kvtrace/1 trace
     kvref explain TRACE --op N                              why op N did what it did
     kvref replay PATH...                                    replay traces, compare with vLLM's
+    kvref --version                                         (also: python -m kvref ...)
 
 Workloads: the walk-throughs ``prefix-caching`` (the default demo) and
 ``sliding-window``, and the scheduler presets ``chat``, ``multi-turn``, ``rag``,
 ``agent``, ``hybrid``, ``pressure`` (``kvref.viz.workloads``). Bad input (a
 missing or malformed trace, an unknown workload, an op number out of range)
-gives one line on stderr and exit code 2.
+gives one line on stderr and exit code 2. ``kvref viz`` and ``kvref explain``
+show kvref's own answers; when a trace's recorded answers differ from them they
+say so on stderr first (``kvref replay`` tells the whole difference).
 """
 
 from __future__ import annotations
@@ -18,10 +21,8 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import time
 
 from rich.console import Console
-from rich.live import Live
 from rich.progress import Progress
 from rich.rule import Rule
 
@@ -73,35 +74,52 @@ def _player(trace: dict):
         raise UsageError(str(exc)) from None
 
 
+def _warn_if_recorded_answers_differ(trace: dict, shown_op: int | None, command: str) -> None:
+    """Say on stderr when the trace's recorded answers are not what kvref answers.
+
+    ``kvref viz`` and ``kvref explain`` draw and reason from kvref's own replay;
+    a trace recorded elsewhere (a real vLLM, an older kvref) may have recorded
+    something else, and a picture that silently showed kvref's answer instead
+    would mislead. ``shown_op``: the last op on screen (None: unknown yet)."""
+    from kvref.verify.trace_replay import replay
+
+    try:
+        divergence = replay(trace).divergence
+    except Exception:  # noqa: BLE001 - a malformed op is reported when it is reached
+        return
+    if divergence is None:
+        return
+    where = "construction" if divergence.index < 0 else f"op {divergence.index}"
+    if shown_op is not None and divergence.index > shown_op:
+        scope = (f"up to op {shown_op} the recorded answers are the ones shown; "
+                 f"from {where} on kvref answers differently")
+    else:
+        scope = f"from {where} on, what is shown is kvref's answer, not the recorded one"
+    print(f"warning: {command}: this trace's recorded answers differ from kvref's "
+          f"({divergence}); {scope}. `kvref replay` reports the difference.",
+          file=sys.stderr)
+
+
 # -- commands -------------------------------------------------------------------
 
 
 def cmd_demo(args, console: Console) -> int:
-    from kvref.viz.panels import render_frame, render_summary
+    from kvref.viz.demo import run_demo, terminal_waiter
+    from kvref.viz.panels import render_summary
     from kvref.viz.player import summarize
 
-    if args.pause < 0:
+    if args.pause is not None and args.pause < 0:
         raise UsageError(f"kvref demo: --pause must be >= 0, got {args.pause}")
     trace = _workload_trace(args.workload, args.steps)
     player = _player(trace)
     console.print(Rule(f"kvref demo: {args.workload}"))
     console.print(trace["generator"].get("description", ""), style="bold")
-    animate = not args.no_animate and console.is_terminal
-    if animate:
-        # A frame taller than the terminal is cut at the bottom while animating
-        # (the story and the grid come first); the last one is printed whole.
-        with Live(console=console, refresh_per_second=8, transient=True,
-                  vertical_overflow="ellipsis") as live:
-            for k in range(len(player.steps)):
-                player.seek_step(k)
-                live.update(render_frame(player, compact=True))
-                time.sleep(args.pause)
-        console.print(render_frame(player, compact=True))
-    else:
-        for k in range(len(player.steps)):
-            player.seek_step(k)
-            console.print(render_frame(player, compact=True))
-    console.print(render_summary(summarize(trace), title=f"summary of {args.workload}"))
+    wait = None if args.no_animate else terminal_waiter(console, args.pause)
+    shown = run_demo(console, player, wait)
+    title = f"summary of {args.workload}"
+    if shown < len(player.steps):
+        title += f" (all {len(player.steps)} steps, {shown} shown)"
+    console.print(render_summary(summarize(trace), title=title))
     return 0
 
 
@@ -117,23 +135,48 @@ def cmd_viz(args, console: Console) -> int:
     player = _player(trace)
     if not player.ops:
         raise UsageError("kvref viz: the trace has no ops to show")
-    if args.export is None:
-        if args.step is not None or args.op is not None:
-            _seek(player, args)
-            console.print(render_frame(player))
-            return 0
-        return run_interactive(console, player)
+    if args.export is not None:
+        return _export(args, console, trace, player)
+    _seek(player, args)
+    if args.trace:
+        _warn_if_recorded_answers_differ(
+            trace, player.position - 1 if args.step is not None or args.op is not None
+            else None, "kvref viz")
+    if not args.no_interactive and sys.stdin.isatty() and sys.stdout.isatty():
+        from kvref.viz.app import run_app
+
+        return run_app(player, start_op=player.position - 1)
+    if args.step is not None or args.op is not None:
+        console.print(render_frame(player))
+        return 0
+    return run_interactive(console, player)
+
+
+def _export(args, console: Console, trace: dict, player) -> int:
+    """``.svg``: one frame, as the terminal draws it. ``.html``: the whole trace as a
+    self-contained player page (``kvref.viz.html_player``), opening at --step/--op."""
+    from kvref.viz.panels import render_frame
+
     if not args.export.endswith((".svg", ".html")):
         raise UsageError(f"kvref viz: --export must end in .svg or .html, got {args.export!r}")
-    _seek(player, args, default_last=True)
-    recorder = Console(record=True, width=80, file=io.StringIO(), force_terminal=True)
-    recorder.print(render_frame(player))
-    title = f"kvref viz: {trace.get('name', 'trace')}"
+    chosen = args.step is not None or args.op is not None
+    _seek(player, args, default_last=args.export.endswith(".svg"))
+    if args.trace:
+        _warn_if_recorded_answers_differ(trace, player.position - 1, "kvref viz")
     try:
-        if args.export.endswith(".svg"):
-            recorder.save_svg(args.export, title=title)
-        else:
-            recorder.save_html(args.export)
+        if args.export.endswith(".html"):
+            from kvref.viz.html_player import write_player
+
+            size = write_player(trace, args.export,
+                                start_op=player.position - 1 if chosen else None)
+            console.print(f"wrote {args.export}: a player of {len(player.ops)} ops in "
+                          f"{len(player.steps)} steps, {size / 1000:.0f} kB, no network "
+                          f"needed (opens at step {player.current_step}, "
+                          f"op {player.position - 1})")
+            return 0
+        recorder = Console(record=True, width=80, file=io.StringIO(), force_terminal=True)
+        recorder.print(render_frame(player))
+        recorder.save_svg(args.export, title=f"kvref viz: {trace.get('name', 'trace')}")
     except OSError as exc:
         raise UsageError(f"kvref viz: cannot write {args.export}: {exc.strerror}") from None
     console.print(f"wrote {args.export} (step {player.current_step}, op {player.position - 1})")
@@ -162,6 +205,10 @@ def cmd_record(args, console: Console) -> int:
     from kvref.verify.trace_record import write_trace
     from kvref.viz.player import summarize
 
+    if not args.output.endswith((".json", ".json.gz")):
+        raise UsageError(f"kvref record: writes a kvtrace/1 trace, so -o must end in .json or "
+                         f".json.gz, got {args.output!r} (for a picture: kvref viz --workload "
+                         f"{args.workload} --export FILE.svg)")
     trace = _workload_trace(args.workload, args.steps, console)
     try:
         write_trace(trace, args.output)
@@ -178,6 +225,8 @@ def cmd_explain(args, console: Console) -> int:
     from kvref.viz.player import TraceError
 
     trace = _read(args.trace)
+    if isinstance(args.op, int) and 0 <= args.op < len(trace["ops"]):
+        _warn_if_recorded_answers_differ(trace, args.op, "kvref explain")
     try:
         lines = explain(trace, args.op)
     except IndexError as exc:
@@ -190,30 +239,46 @@ def cmd_explain(args, console: Console) -> int:
 
 
 def cmd_replay(args, console: Console) -> int:
+    """Replay every file named or found; a file that cannot be replayed is
+    reported and the others still run. Exit 2 if any file was bad input,
+    else 1 if any trace diverged, else 0."""
     from kvref.verify.trace_replay import find_traces, replay
-    from kvref.viz.player import TraceError
+    from kvref.viz.player import TraceError, read_trace
 
     files = list(find_traces(args.paths))
     if not files:
         raise UsageError(f"kvref replay: no trace files under {' '.join(args.paths)}")
-    divergent, ops = [], 0
+    divergent, bad, ops = [], [], 0
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("replaying", total=len(files))
         for path in files:
-            trace = _read(str(path))
             try:
+                trace = read_trace(str(path))
                 result = replay(trace, not args.no_hashes, args.check_invariants)
-            except (TraceError, KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise UsageError(f"{path}: malformed trace ({type(exc).__name__}: {exc})") \
-                    from None
-            ops += result.num_ops
-            if result.divergence is not None:
-                divergent.append((path, result.divergence))
+            except TraceError as exc:
+                bad.append(str(exc))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                bad.append(f"{path}: malformed trace ({type(exc).__name__}: {exc})")
+            else:
+                ops += result.num_ops
+                if result.divergence is not None:
+                    divergent.append((path, result.divergence))
             progress.advance(task)
     for path, divergence in divergent:
-        console.print(f"[red]DIVERGENCE[/red] {path}: {divergence}")
-    console.print(f"{len(files)} traces, {ops} ops, {len(divergent)} divergent traces")
-    return 1 if divergent else 0
+        console.print(f"[red]DIVERGENCE[/red] {path}: {divergence}", highlight=False)
+    for reason in bad:
+        print(f"error: {reason}", file=sys.stderr)
+    replayed = len(files) - len(bad)
+    line = (f"{_n(replayed, 'trace')} replayed, {ops} ops, "
+            f"{_n(len(divergent), 'divergent trace')}")
+    if bad:
+        line += f"; {_n(len(bad), 'file')} could not be replayed (listed on stderr)"
+    console.print(line, highlight=False)
+    return EXIT_BAD_INPUT if bad else (1 if divergent else 0)
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word if count == 1 else word + 's'}"
 
 
 # -- parsing --------------------------------------------------------------------
@@ -223,35 +288,48 @@ def build_parser() -> argparse.ArgumentParser:
     from kvref.viz.workloads import workload_names
 
     names = ", ".join(workload_names())
+    from kvref import __version__
+
     parser = _Parser(prog="kvref", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"kvref {__version__} (the KV-cache layer of vLLM v0.25.1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="watch the KV cache work, step by step, narrated",
-                          description="Run a workload and show every step (animated in a "
-                          "terminal), then a summary: hit rate, prompt tokens saved, "
-                          "evictions, preemptions.")
+                          description="Run a workload and print every step whole (the "
+                          "pictures, then what happened and why), waiting for a key between "
+                          "steps in a terminal (q stops), then a summary: hit rate, prompt "
+                          "tokens saved, evictions, preemptions. Not in a terminal it does "
+                          "not wait.")
     demo.add_argument("--workload", default="prefix-caching", metavar="W",
                       help=f"what to run (default prefix-caching): {names}")
     demo.add_argument("--steps", type=int, metavar="N", help="stop after N steps")
     demo.add_argument("--no-animate", action="store_true",
-                      help="print every step instead of animating (automatic when not a "
-                      "terminal)")
-    demo.add_argument("--pause", type=float, default=1.0, metavar="S",
-                      help="seconds per step when animating (default 1.0)")
+                      help="print every step without waiting (automatic when not a terminal)")
+    demo.add_argument("--pause", type=float, metavar="S",
+                      help="in a terminal, wait S seconds between steps instead of for a key")
     demo.set_defaults(run=cmd_demo)
 
     viz = sub.add_parser("viz", help="step through a trace or a workload",
-                         description="Step through a kvtrace/1 trace (or a workload) "
-                         "interactively: n/p step, +/- op, j N step N, o N op N, q quit. "
-                         "With --export, write one frame as SVG or HTML instead.")
+                         description="Step through a kvtrace/1 trace (or a workload) in a "
+                         "full-screen viewer: n/p step, ./, op, g step N, o op N, / request, "
+                         "b block, v bookkeeping, ? help, q quit. Not in a terminal (or with "
+                         "--no-interactive): typed commands, one per line (n, p, +, -, j N, "
+                         "o N, v, q), or the one frame --step/--op names. With --export, "
+                         "write one frame as SVG or HTML instead.")
     viz.add_argument("trace", nargs="?", help="a .json or .json.gz kvtrace/1 file")
     viz.add_argument("--workload", metavar="W", help=f"run a workload instead: {names}")
     viz.add_argument("--steps", type=int, metavar="N", help="with --workload: stop after N steps")
-    viz.add_argument("--export", metavar="FILE", help="write the frame to FILE.svg or FILE.html")
+    viz.add_argument("--export", metavar="FILE",
+                     help="FILE.svg: write one frame; FILE.html: write the whole trace as a "
+                     "self-contained player page (keys, sliders, hover details; no network)")
     viz.add_argument("--step", type=int, metavar="N",
-                     help="the frame at the end of step N (default: the last with --export)")
-    viz.add_argument("--op", type=int, metavar="N", help="the frame right after op N")
+                     help="open at the end of step N (default: step 0; with --export F.svg: the last)")
+    viz.add_argument("--op", type=int, metavar="N", help="open right after op N")
+    viz.add_argument("--no-interactive", action="store_true",
+                     help="text only, for pipes and CI: print the --step/--op frame, or read "
+                     "typed commands from stdin (automatic when not a terminal)")
     viz.set_defaults(run=cmd_viz)
 
     rec = sub.add_parser("record", help="write a workload as a kvtrace/1 trace",
@@ -260,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "and the shared conformance tools (on a real vLLM) can replay.")
     rec.add_argument("--workload", required=True, metavar="W", help=f"one of: {names}")
     rec.add_argument("-o", "--output", required=True, metavar="FILE",
-                     help="trace file to write (.json, or .json.gz compressed)")
+                     help="trace file to write: .json, or .json.gz compressed (anything else "
+                     "is refused; for a picture use kvref viz --export)")
     rec.add_argument("--steps", type=int, metavar="N", help="stop after N steps")
     rec.set_defaults(run=cmd_record)
 
@@ -275,7 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("replay", help="replay recorded traces against kvref",
                          description="Replay kvtrace/1 traces and compare every answer "
-                         "with the recorded one; exit 1 if any trace diverges.")
+                         "with the recorded one. Every file is replayed; one that cannot be "
+                         "read or replayed is reported and the others go on. Exit 2 if any "
+                         "file was bad, else 1 if any trace diverges.")
     rep.add_argument("paths", nargs="+", help="trace files or folders")
     rep.add_argument("--no-hashes", action="store_true",
                      help="do not compare hash values (their count still is)")
@@ -285,12 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "kvref") -> int:
     from kvref.viz.player import TraceError
 
     console = Console()
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        parser.prog = prog
+        args = parser.parse_args(argv)
         return args.run(args, console)
     except (UsageError, TraceError) as exc:
         # A trace found malformed midway (viz stepping into a bad op) is bad input too.

@@ -5,6 +5,8 @@ and the cache-write op; each module says which file it follows:
 
 - ``paged_attention``: the cache layout, ``write_kv``, and the reference
   ``paged_attention`` (causal, grouped heads, sliding window, chunked local).
+- ``fast_paged_attention``: the same result batched, one gather through the
+  block table and one SDPA call per query length (what the engine runs).
 - ``flashinfer``: ``to_flashinfer``, the same block table as FlashInfer's CSR arrays.
 - ``cascade``: a prefix all requests share (``get_num_common_prefix_blocks``)
   read once, merged with each request's own part by log-sum-exp.
@@ -18,6 +20,11 @@ from kvref.attention.cascade import (
     cascade_attention,
     compute_cascade_attn_prefix_len,
     merge_attn_states,
+)
+from kvref.attention.fast_paged_attention import (
+    KVGatherBuffer,
+    PagedAttentionPlan,
+    fast_paged_attention,
 )
 from kvref.attention.flashinfer import (
     FlashInferPageTable,
@@ -38,8 +45,10 @@ from kvref.attention.paged_attention import (
 from kvref.attention.mamba_state import make_state_cache, mamba_step, recurrence_reference
 
 __all__ = [
-    "AttentionOutput", "FlashInferPageTable", "attend", "cascade_attention",
-    "compute_cascade_attn_prefix_len", "default_scale", "flashinfer_paged_attention",
+    "AttentionOutput", "FlashInferPageTable", "KVGatherBuffer", "attend", "cascade_attention",
+    "PagedAttentionPlan", "compute_cascade_attn_prefix_len", "default_scale",
+    "fast_paged_attention",
+    "flashinfer_paged_attention",
     "gather_kv", "make_kv_cache", "make_state_cache", "mamba_step", "merge_attn_states",
     "paged_attention", "paged_attention_with_lse", "recurrence_reference", "to_flashinfer",
     "visible_key_range", "write_kv",

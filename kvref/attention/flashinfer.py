@@ -30,8 +30,8 @@ from kvref.attention.paged_attention import (
     AttentionOutput,
     _as_ints,
     _check_kv_cache,
-    _visibility_mask,
     attend,
+    visibility_mask,
     visible_key_range,
 )
 
@@ -107,7 +107,7 @@ def flashinfer_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, *,
         lo = visible_key_range(int(q_pos[0]), kv_len, causal, window).start
         k_pos = torch.arange(lo, kv_len, device=kv_cache.device)
         page, offset = pages[k_pos // page_size], k_pos % page_size
-        mask = _visibility_mask(q_pos, k_pos, kv_len, causal, window, None)
+        mask = visibility_mask(q_pos[:, None], k_pos[None, :], kv_len, causal, window, None)
         res = attend(query[q_start:q_end], kv_cache[page, 0, offset],
                      kv_cache[page, 1, offset], mask, scale)
         output[q_start:q_end] = res.output.to(query.dtype)

@@ -175,21 +175,31 @@ def check_batch(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: Se
                 seq_lens: Sequence[int], block_table: torch.Tensor) -> None:
     """Shape checks shared by every attention here; messages name the shapes."""
     _check_kv_cache(kv_cache)
+    check_requests(query_start_loc, seq_lens, block_table, kv_cache.shape[2])
+    check_query(query, kv_cache, query_start_loc[-1])
+
+
+def check_query(query: torch.Tensor, kv_cache: torch.Tensor, num_tokens: int) -> None:
+    """``query`` fits ``kv_cache``'s heads and holds the batch's ``num_tokens`` rows."""
     num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
     if query.dim() != 3 or query.shape[2] != head_size or query.shape[1] % num_kv_heads:
         raise ValueError(f"query must be [num_tokens, num_heads, {head_size}] with num_heads "
                          f"a multiple of num_kv_heads={num_kv_heads}, got {tuple(query.shape)}")
+    if num_tokens > query.shape[0]:
+        raise ValueError(f"query_start_loc ends at {num_tokens} but query has "
+                         f"{query.shape[0]} tokens")
+
+
+def check_requests(query_start_loc: Sequence[int], seq_lens: Sequence[int],
+                   block_table: torch.Tensor, block_size: int) -> None:
+    """Per-request lengths agree with each other and with the block table."""
     num_reqs = len(seq_lens)
     if len(query_start_loc) != num_reqs + 1:
         raise ValueError(f"query_start_loc has {len(query_start_loc)} entries, seq_lens "
                          f"{num_reqs}: need num_reqs + 1 = {num_reqs + 1}")
-    if query_start_loc[-1] > query.shape[0]:
-        raise ValueError(f"query_start_loc ends at {query_start_loc[-1]} but query has "
-                         f"{query.shape[0]} tokens")
     if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table must be [num_reqs={num_reqs}, max_blocks], got "
                          f"{tuple(block_table.shape)}")
-    block_size = kv_cache.shape[2]
     for r in range(num_reqs):
         q_len = query_start_loc[r + 1] - query_start_loc[r]
         if not 0 <= q_len <= seq_lens[r]:
@@ -223,10 +233,7 @@ def paged_attention_with_lse(query: torch.Tensor, kv_cache: torch.Tensor, *,
     """``paged_attention`` that also returns each query's log-sum-exp (for cascades)."""
     starts, lens = _as_ints(query_start_loc), _as_ints(seq_lens)
     check_batch(query, kv_cache, starts, lens, block_table)
-    for name, v in (("sliding_window", sliding_window),
-                    ("attention_chunk_size", attention_chunk_size)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+    check_window_args(sliding_window, attention_chunk_size)
     num_tokens, num_heads, head_size = query.shape
     device = kv_cache.device
     out_dtype = query.dtype
@@ -247,19 +254,27 @@ def paged_attention_with_lse(query: torch.Tensor, kv_cache: torch.Tensor, *,
                                  attention_chunk_size)
         k_pos = torch.arange(first.start, max(last.stop, first.stop), device=device)
         key, value = gather_kv(kv_cache, block_table[r], k_pos)
-        mask = _visibility_mask(q_pos, k_pos, seq_len, causal, sliding_window,
-                                attention_chunk_size)
+        mask = visibility_mask(q_pos[:, None], k_pos[None, :], seq_len, causal,
+                               sliding_window, attention_chunk_size)
         res = attend(query[q_start:q_end].to(device), key, value, mask, scale)
         output[q_start:q_end] = res.output.to(out_dtype)
         lse[q_start:q_end] = res.lse.float()
     return AttentionOutput(output, lse)
 
 
-def _visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: int, causal: bool,
-                     sliding_window: int | None, attention_chunk_size: int | None
-                     ) -> torch.Tensor:
-    """``[q, k]`` bool: the three rules of the module docstring, elementwise."""
-    q, k = q_pos[:, None], k_pos[None, :]
+def check_window_args(sliding_window: int | None, attention_chunk_size: int | None) -> None:
+    for name, v in (("sliding_window", sliding_window),
+                    ("attention_chunk_size", attention_chunk_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+
+
+def visibility_mask(q: torch.Tensor, k: torch.Tensor, seq_len: int | torch.Tensor,
+                    causal: bool, sliding_window: int | None,
+                    attention_chunk_size: int | None) -> torch.Tensor:
+    """Bool, True where a query at position ``q`` may see the key at ``k``: the
+    three rules of the module docstring, elementwise (``q``, ``k`` and ``seq_len``
+    broadcast: ``q_pos[:, None]`` against ``k_pos[None, :]`` gives ``[q, k]``)."""
     mask = k < seq_len
     if causal:
         mask = mask & (k <= q)

@@ -9,8 +9,10 @@ The batch is packed: ``[num_tokens, ...]``, requests back to back, no padding.
               ─ RMSNorm ─ lm_head ─ logits        (x: the residual stream)
 
 Attention writes this step's keys and values into the layer's paged cache
-(``kvref.attention.write_kv``) and reads the request's whole context back
-through its block table (``kvref.attention.paged_attention``); a layer whose
+(``kvref.attention.write_kv``, through the step's plan) and reads the
+request's whole context back through its block table
+(``kvref.attention.PagedAttentionPlan.attend``, the batched form of the
+reference ``paged_attention``); a layer whose
 ``layer_types`` entry is ``"sliding_attention"`` sees only the last
 ``sliding_window`` positions. Weights load from a Hugging Face state dict with
 vLLM's fused ``qkv_proj`` and ``gate_up_proj`` (``load_weights``).
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvref.attention import paged_attention, write_kv
+from kvref.attention import KVGatherBuffer, PagedAttentionPlan
 
 __all__ = ["AttentionMetadata", "ModelConfig", "RotaryEmbedding", "TransformerForCausalLM"]
 
@@ -154,7 +156,9 @@ class AttentionMetadata:
 
     ``query_start_loc``: ``[num_reqs + 1]`` cumulative query lengths;
     ``seq_lens``: ``[num_reqs]``; ``block_table``: ``[num_reqs, max_blocks]``;
-    ``slot_mapping``: ``[num_tokens]``, where each new token's key and value go.
+    ``slot_mapping``: ``[num_tokens]``, where each new token's key and value go;
+    ``plan``: the step's gathers and masks for ``kvref.attention``'s batched
+    paged attention, worked out once for every layer of the group.
     """
 
     query_start_loc: torch.Tensor
@@ -163,6 +167,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    plan: PagedAttentionPlan
 
 
 class RMSNorm(nn.Module):
@@ -196,13 +201,22 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, KV, D]
+        """``cos, sin``: ``[T, 1, D]`` for positions ``[T]``, the same for every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]      # [T, D/2]
         angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]            # [T, 1, D]
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @staticmethod
+    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [T, H, D]; k [T, KV, D]; cos, sin [T, 1, D]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q, k, *self.cos_sin(positions, q.dtype))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -242,9 +256,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
+        self.gather_buffer = KVGatherBuffer()     # the model hands every layer the same one
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)             # [T, H, D]
@@ -252,11 +267,12 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)          # [T, KV, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, query_start_loc=meta.query_start_loc,
-                              seq_lens=meta.seq_lens, block_table=meta.block_table,
-                              scale=self.scale, sliding_window=self.sliding_window)
+        q, k = self.rotary_emb.rotate(q, k, *rope)        # rope: (cos, sin) of the positions
+        meta.plan.write_kv(kv_cache, k, v)            # write_kv, slots checked once per step
+        if meta.plan.sliding_window != self.sliding_window:
+            raise ValueError(f"layer window {self.sliding_window}, but its metadata was "
+                             f"planned for window {meta.plan.sliding_window}")
+        out = meta.plan.attend(q, kv_cache, self.scale, self.gather_buffer)   # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))          # [T, hidden]
 
 
@@ -284,9 +300,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -310,6 +326,11 @@ class TransformerForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
+        # Layers run one after another: one gather buffer serves them all (one
+        # per layer would hold num_layers copies of a step's gathered keys).
+        shared = KVGatherBuffer()
+        for layer in self.layers:
+            layer.self_attn.gather_buffer = shared
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -322,8 +343,11 @@ class TransformerForCausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} must be the same [num_tokens] shape")
         hidden = self.embed_tokens(input_ids)                              # [T, hidden]
+        # Every layer rotates by the same angles: cos and sin once per step, not per
+        # layer (5 tensor ops per layer saved).
+        rope = self.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

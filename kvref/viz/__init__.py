@@ -3,7 +3,11 @@
 ``pool`` (grid, free queue), ``tables`` (block tables, prefix tree), ``panels``
 (ops in words, events, figures over time, a whole frame), ``player`` (a trace
 replayed to any position), ``workloads`` and ``walkthroughs`` (what ``kvref demo``
-runs), ``explain`` (why an op did what it did), ``interactive`` (stepping).
+runs), ``explain`` (why an op did what it did), ``interactive`` (stepping by
+typed commands), ``app`` (the full-screen viewer, Textual), ``details`` (one
+block or request as the replayed manager holds it), ``html_player`` (the whole
+trace as one offline HTML page, and ``Player`` for notebooks), ``demo`` (the
+demo's pacing).
 """
 
 from kvref.viz.panels import render_frame, render_pool

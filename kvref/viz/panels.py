@@ -36,6 +36,22 @@ def _blocks(ret) -> str:
     return " | ".join(compress_ids(g) for g in ret)
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``plural(1, "block")`` -> ``"1 block"``, ``plural(7, "block")`` -> ``"7 blocks"``."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def _tokens_asked(op: dict) -> str:
+    """What an ``allocate_slots`` call asked room for, every part named."""
+    parts = [plural(op["num_new_tokens"], "new token")]
+    for key, words in (("num_new_computed_tokens", "hit"),
+                       ("num_external_computed_tokens", "loaded externally"),
+                       ("num_lookahead_tokens", "lookahead")):
+        if op.get(key):
+            parts.append(f"{op[key]} {words}")
+    return " + ".join(parts)
+
+
 def describe_op(facts: OpFacts) -> str:
     """One op and what it did, in words."""
     op, obs = facts.op, facts.observed
@@ -51,10 +67,14 @@ def describe_op(facts: OpFacts) -> str:
                 f"{facts.query_tokens} tokens hit{hit}")
     if name == "allocate_slots":
         if ret is None:
-            return f"{rid}: no room for {op['num_new_tokens']} tokens (allocate_slots → None)"
+            return f"{rid}: no room for {_tokens_asked(op)} (allocate_slots → None)"
         n = op["num_new_tokens"]
-        text = f"{rid} schedules {n} token{'s' if n != 1 else ''}"
-        text += f", new blocks {_blocks(ret)}" if any(ret) else ", no new block"
+        text = f"{rid} schedules {plural(n, 'token')}"
+        if op.get("num_external_computed_tokens"):
+            text += f" (+ {op['num_external_computed_tokens']} loaded externally)"
+        new = sum(len(g) for g in ret)
+        text += (f", new {'block' if new == 1 else 'blocks'} {_blocks(ret)}" if new
+                 else ", no new block")
         if facts.evicted:
             text += f"; evicts cached {compress_ids(facts.evicted)}"
         return text
@@ -69,12 +89,12 @@ def describe_op(facts: OpFacts) -> str:
         return "events: " + (", ".join(f"{n} {k}" for k, n in kinds.items()) or "none")
     if name == "reset_prefix_cache":
         return (f"reset_prefix_cache → {ret}"
-                + (f": {len(facts.uncached)} cached blocks forgotten" if ret else
+                + (f": {plural(len(facts.uncached), 'cached block')} forgotten" if ret else
                    " (refused: blocks are in use)"))
     if name == "evict_blocks":
         return f"evict_blocks {compress_ids(op['block_ids'])}: uncached {compress_ids(facts.uncached)}"
     if name == "append_output_token_ids":
-        return f"{rid} samples {len(op['tokens'])} token(s)"
+        return f"{rid} samples {plural(len(op['tokens']), 'token')}"
     if name in ("set_num_computed_tokens", "set_status", "set_num_preemptions"):
         return f"{rid}.{name[4:]} = {op['value']}"
     if name == "make_prefix_cache_stats" and ret is not None:
@@ -103,10 +123,10 @@ def render_step_ops(facts: list[OpFacts], verbose: bool = False, limit: int = 14
 def _event_line(ev: dict) -> str:
     kind = ev["type"]
     if kind == "BlockStored":
-        return (f"stored  g{ev['group_idx']} {len(ev['block_hashes'])} block(s), "
-                f"{len(ev['token_ids'])} tokens, {ev['kv_cache_spec_kind']}")
+        return (f"stored  g{ev['group_idx']} {plural(len(ev['block_hashes']), 'block')}, "
+                f"{plural(len(ev['token_ids']), 'token')}, {ev['kv_cache_spec_kind']}")
     if kind == "BlockRemoved":
-        return f"removed g{ev['group_idx']} {len(ev['block_hashes'])} block(s)"
+        return f"removed g{ev['group_idx']} {plural(len(ev['block_hashes']), 'block')}"
     return "all blocks cleared"
 
 
@@ -145,7 +165,7 @@ def render_stats(player: TracePlayer) -> Text:
     size = player.manager.block_pool.num_gpu_blocks - 1
     rows = (("usage     ", [h.usage for h in history], 1.0, f"{history[-1].usage:.0%}"),
             ("evictable ", [h.evictable_cached for h in history], size,
-             f"{history[-1].evictable_cached} blocks"),
+             plural(history[-1].evictable_cached, "block")),
             ("hit rate  ", [h.hit_rate for h in history], 1.0,
              f"{history[-1].hit_rate:.0%} ({history[-1].hits}/{history[-1].queries} tokens)"))
     for label, values, top, now in rows:
@@ -183,20 +203,32 @@ def render_pool(manager, request_ids=None) -> Group:
     """The grid, the free queue, usage and the block tables of a live manager."""
     pool = manager.block_pool
     usage = Text(f"usage {manager.usage:.0%}   free blocks {pool.get_num_free_blocks()} "
-                 f"of {pool.num_gpu_blocks - 1}")
+                 f"of {pool.num_gpu_blocks - 1} (the pool's {pool.num_gpu_blocks} blocks "
+                 "less the null block)")
     return Group(render_grid(pool), render_free_queue(pool), usage,
                  render_block_tables(manager, request_ids))
 
 
 def render_summary(summary: TraceSummary, title: str = "summary") -> Table:
-    table = Table(title=title, title_justify="left", show_header=False)
+    """The totals; where two of them differ by definition, the table says why."""
+    table = Table(title=title, title_justify="left", show_header=False,
+                  caption_justify="left")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("steps / ops / requests",
                   f"{summary.num_steps} / {summary.num_ops} / {summary.num_requests}")
     table.add_row("prefix-cache hit rate (per lookup, as vLLM counts)",
                   f"{summary.hit_rate:.1%} ({summary.hits} of {summary.queries} tokens)")
-    table.add_row("prompt tokens saved (served by the cache)", str(summary.prompt_tokens_saved))
+    table.add_row("prompt tokens saved (per admission)", str(summary.prompt_tokens_saved))
     table.add_row("cached blocks evicted", str(summary.evictions))
     table.add_row("preemptions", str(summary.preemptions))
+    notes = [f"Frames number steps 0-{summary.num_steps - 1} and ops "
+             f"0-{summary.num_ops - 1}."]
+    if summary.prompt_tokens_saved != summary.hits:
+        notes.append(f"Hit tokens ({summary.hits}) and prompt tokens saved "
+                     f"({summary.prompt_tokens_saved}) differ by definition: a lookup "
+                     "counts its hit even when the admission after it is refused (no room), "
+                     "and again each time it is retried; only an admission that gets its "
+                     "blocks saves prompt tokens.")
+    table.caption = " ".join(notes)
     return table

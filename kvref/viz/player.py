@@ -22,6 +22,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 
+from kvref.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 from kvref.verify.trace_replay import TRACE_FORMAT, MalformedTrace, TraceReplayer
 
 
@@ -40,8 +41,8 @@ def read_trace(path: str) -> dict:
     except IsADirectoryError:
         raise TraceError(f"{path}: is a directory, not a trace file") from None
     except json.JSONDecodeError as exc:
-        raise TraceError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}); "
-                         "truncated or not a trace?") from None
+        # str(exc) reads "Unterminated string starting at: line 9 column 5 (char 2993)".
+        raise TraceError(f"{path}: not valid JSON ({exc}); truncated or not a trace?") from None
     except (EOFError, OSError, zlib.error, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from None
     check_trace_shape(trace, str(path))
@@ -79,6 +80,8 @@ class OpFacts:
     newly_cached: list[int] = field(default_factory=list)
     hit_tokens: int | None = None      # get_computed_blocks: tokens hit
     query_tokens: int | None = None    # get_computed_blocks: the request's tokens
+    touched: list[int] = field(default_factory=list)    # blocks whose ref count, hash or
+                                                        # free-queue membership changed
 
     @property
     def is_preemption(self) -> bool:
@@ -131,6 +134,16 @@ class TracePlayer:
         self.history: list[StepStats] = []
         self._queries = self._hits = 0
         self._state = self.replayer.initial_observation()["state"]
+        # block id -> the ops that touched it; cached block id -> its parent in the
+        # hash chain (hex hash, or None for a request's first block); request -> its ops.
+        self.touches: dict[int, list[int]] = {}
+        self.parents: dict[int, str | None] = {}
+        # block id -> (op, event type) of the KV cache events about it, attributed to
+        # the op that queued them; (event hash, group) -> the block that holds it.
+        self.kv_events: dict[int, list[tuple[int, str]]] = {}
+        self._event_owner: dict[tuple, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self.request_ops: dict[str, list[int]] = {}
 
     @property
     def manager(self):
@@ -188,6 +201,7 @@ class TracePlayer:
         req = self.replayer.requests.get(op.get("req")) if "req" in op else None
         status = req.status.name if req is not None else None
         num_tokens = req.num_tokens if req is not None else None
+        queued = len(self.manager.block_pool.kv_event_queue)
         try:
             observed = self.replayer.run(op)
         except MalformedTrace as exc:
@@ -199,6 +213,19 @@ class TracePlayer:
         facts = OpFacts(index, op, observed)
         hashed_before, hashed_after = set(before["hashed"]), set(after["hashed"])
         facts.newly_cached = sorted(hashed_after - hashed_before)
+        facts.touched = _touched(before, after)
+        for block_id in facts.touched:
+            self.touches.setdefault(block_id, []).append(index)
+        for block_id in hashed_before - hashed_after:
+            self.parents.pop(block_id, None)
+        events = [] if op["op"] == "take_events" else \
+            self.manager.block_pool.kv_event_queue[queued:]
+        hashed_now = self._follow_hashes(index, facts.touched, events, hashed_before)
+        if req is not None:
+            self.request_ops.setdefault(req.request_id, []).append(index)
+            self._remember_parents(req, hashed_now)
+        elif op["op"] == "add_request":
+            self.request_ops.setdefault(op["req"], []).append(index)
         ret = observed.get("ret")
         if op["op"] == "allocate_slots" and ret:
             facts.evicted = [b for group in ret for b in group if b in hashed_before]
@@ -218,12 +245,70 @@ class TracePlayer:
         if self.position == self.steps[step][1]:
             self.history.append(self._step_stats(step))
 
+    def _follow_hashes(self, index: int, touched: list[int], events: list,
+                       hashed_before: set[int]) -> list[int]:
+        """Keep each block's hash, and say which KV events of op ``index`` are about
+        which block (events carry hashes in vLLM's form: by default the low 64 bits
+        as an int). Returns the blocks that got a (new) hash in this op: also one
+        evicted and cached again within the op, which the digests cannot tell."""
+        pool = self.manager.block_pool
+
+        def event_key(key):
+            return (maybe_convert_block_hash(get_block_hash(key), pool._int_event_hashes),
+                    get_group_id(key))
+
+        changes = [(b, self._hash_of.get(b), pool.blocks[b].block_hash) for b in touched
+                   if pool.blocks[b].block_hash != self._hash_of.get(b)]
+        stored_now = {event_key(new): b for b, _, new in changes if new is not None}
+        for ev in events:
+            kind = type(ev).__name__
+            if kind == "AllBlocksCleared":
+                blocks = sorted(hashed_before)
+            else:
+                owners = stored_now if kind == "BlockStored" else self._event_owner
+                blocks = [owners[(h, ev.group_idx)] for h in ev.block_hashes
+                          if (h, ev.group_idx) in owners]
+            for block_id in blocks:
+                self.kv_events.setdefault(block_id, []).append((index, kind))
+        for b, old, new in changes:
+            if old is not None and self._event_owner.get(event_key(old)) == b:
+                del self._event_owner[event_key(old)]
+            if new is None:
+                self._hash_of.pop(b, None)
+            else:
+                self._hash_of[b] = new
+        self._event_owner.update(stored_now)
+        return [b for b, _, new in changes if new is not None]
+
+    def _remember_parents(self, req, newly_cached: list[int]) -> None:
+        """A block's parent is the hash before its own in the request that cached it."""
+        if not newly_cached:
+            return
+        pool = self.manager.block_pool
+        new = set(newly_cached)
+        for stm in self.manager.coordinator.single_type_managers:
+            blocks = stm.req_to_blocks.get(req.request_id, [])
+            hashes = pool._hashes_at_block_size(req, stm.block_size)
+            for i, block in enumerate(blocks):
+                if block.block_id in new:
+                    self.parents[block.block_id] = hashes[i - 1].hex() if i else None
+
     def _step_stats(self, step: int) -> StepStats:
         pool = self.manager.block_pool
         evictable = sum(1 for b in pool.free_block_queue.get_all_free_blocks()
                         if b.block_hash is not None)
         return StepStats(step, pool.get_usage(), evictable, pool.get_num_free_blocks(),
                          self._queries, self._hits)
+
+
+def _touched(before: dict, after: dict) -> list[int]:
+    """Blocks whose ref count, hash or free-queue membership differ between two digests."""
+    ref_before, ref_after = dict(map(tuple, before["ref"])), dict(map(tuple, after["ref"]))
+    changed = {b for b in ref_before.keys() | ref_after.keys()
+               if ref_before.get(b) != ref_after.get(b)}
+    changed |= set(before["hashed"]) ^ set(after["hashed"])
+    changed |= set(before["free"]) ^ set(after["free"])
+    return sorted(changed)
 
 
 @dataclass

@@ -74,37 +74,60 @@ def state_counts(pool) -> Counter:
     return Counter(block_state(b) for b in pool.blocks)
 
 
-def render_grid(pool) -> Group:
-    """The pool as a grid; its scale is stated whenever a cell is not one block."""
+def render_grid(pool, width: int | None = None, selected: int | None = None,
+                highlight: frozenset[int] | set[int] = frozenset()) -> Group:
+    """The pool as a grid; its scale is stated whenever a cell is not one block.
+
+    ``width`` (columns, default 80) sets how many cells a row holds, so a wide
+    terminal gets wider rows; the ``selected`` block is drawn reversed and the
+    ``highlight`` ones underlined (the terminal viewer's selection)."""
     blocks = pool.blocks
     rows: list[Text] = []
+
+    def mark(text: Text, block_id: int) -> Text:
+        if block_id == selected:
+            text.stylize("reverse")
+        elif block_id in highlight:
+            text.stylize("underline")
+        return text
+
     if len(blocks) <= DETAILED_MAX:
-        for start in range(0, len(blocks), DETAILED_PER_ROW):
+        per_row = DETAILED_PER_ROW if width is None else max(1, width // 7)
+        for start in range(0, len(blocks), per_row):
             row = Text()
-            for block in blocks[start:start + DETAILED_PER_ROW]:
-                row.append_text(_detailed_cell(block))
+            for block in blocks[start:start + per_row]:
+                row.append_text(mark(_detailed_cell(block), block.block_id))
                 row.append(" ")
             rows.append(row)
-        scale = Text(f"{len(blocks)} blocks, one cell each: id, state, ref count", style="dim")
-    elif len(blocks) <= COMPACT_MAX_CELLS:
-        for start in range(0, len(blocks), COMPACT_PER_ROW):
+        scale = Text(f"{len(blocks)} blocks (block 0 is the null block), one cell each: id, state, "
+                     "ref count", style="dim")
+        return _with_totals(pool, rows, scale)
+    # One character per block (or per run of blocks), in rows of a multiple of 8.
+    per_row = COMPACT_PER_ROW if width is None else max(8, (width - 6) // 8 * 8)
+    max_cells = COMPACT_MAX_CELLS // COMPACT_PER_ROW * per_row
+    if len(blocks) <= max_cells:
+        for start in range(0, len(blocks), per_row):
             row = Text(f"{start:>5} ", style="dim")
-            for block in blocks[start:start + COMPACT_PER_ROW]:
-                row.append_text(_compact_char(block))
+            for block in blocks[start:start + per_row]:
+                row.append_text(mark(_compact_char(block), block.block_id))
             rows.append(row)
         scale = Text(f"{len(blocks)} blocks, one character each (a digit: shared by that "
                      "many requests)", style="dim")
     else:
-        per_cell = ceil(len(blocks) / COMPACT_MAX_CELLS)
+        per_cell = ceil(len(blocks) / max_cells)
         cells = [blocks[i:i + per_cell] for i in range(0, len(blocks), per_cell)]
-        for start in range(0, len(cells), COMPACT_PER_ROW):
+        for start in range(0, len(cells), per_row):
             row = Text(f"{start * per_cell:>5} ", style="dim")
-            for cell in cells[start:start + COMPACT_PER_ROW]:
+            for cell in cells[start:start + per_row]:
                 state = Counter(block_state(b) for b in cell).most_common(1)[0][0]
                 row.append(GLYPH[state], style=STYLE[state])
             rows.append(row)
         scale = Text(f"{len(blocks)} blocks drawn aggregated: one character = {per_cell} "
                      "blocks (their most common state)", style="bold")
+    return _with_totals(pool, rows, scale)
+
+
+def _with_totals(pool, rows: list[Text], scale: Text) -> Group:
     counts = state_counts(pool)
     totals = Text(f"in use {counts[USED] + counts[USED_CACHED]} "
                   f"(cached {counts[USED_CACHED]})  evictable cached {counts[FREE_CACHED]}  "

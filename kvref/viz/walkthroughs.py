@@ -142,10 +142,11 @@ def _ids(ids) -> str:
 
 
 class PrefixCachingWalkthrough(Walkthrough):
-    """Prefix caching on an 11-block pool, 4 tokens per block."""
+    """Prefix caching on a 12-block pool (the null block and 11 to allocate), 4 tokens per block."""
 
     name = "prefix-caching"
-    title = "prefix caching on an 11-block pool, 4 tokens per block"
+    title = ("prefix caching on a 12-block pool (block 0 is the null block, 11 to allocate), "
+             "4 tokens per block")
     SYSTEM = [101, 102, 103, 104, 105, 106, 107, 108]          # 2 blocks
 
     def config(self):
@@ -191,7 +192,8 @@ class PrefixCachingWalkthrough(Walkthrough):
         self.claim("the hit blocks are shared", all(r == 2 for r in refs))
         return (f"Request B arrives with the same system prompt: blocks {_ids(hit[0])} "
                 f"are a prefix hit ({num_hit} tokens). B shares them with A (ref count "
-                f"{refs[0]}) and gets {len(new[0])} new blocks ({_ids(new[0])}) for the rest.")
+                f"{refs[0]}) and gets {len(new[0])} new block{'s' if len(new[0]) != 1 else ''} "
+                f"({_ids(new[0])}) for the rest.")
 
     def _a_finishes(self):
         a_blocks = self.blocks_of("A")[0]

@@ -31,7 +31,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvref.engine.model_free_runner import ModelFreeRunner, engine_step
+from kvref.engine.core import engine_step
+from kvref.engine.model_free_runner import ModelFreeRunner
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.scheduler import Scheduler, StepRecord
 from kvref.kv_cache_interface import (
@@ -175,8 +176,12 @@ PRESETS: dict[str, Callable[[], Preset]] = {
 }
 
 
-def narrate_step(record: StepRecord, total_blocks: int) -> str:
-    """One step of the scheduler in words, from its ``StepRecord``."""
+def narrate_step(record: StepRecord, total_blocks: int, pool=None) -> str:
+    """One step of the scheduler in words, from its ``StepRecord``.
+
+    With ``pool`` (the block pool as the step leaves it) the free-block count is
+    the one the step's picture shows: after the finished requests gave their
+    blocks back, split as the grid splits it (empty, cached and evictable)."""
     parts = []
     for rid in record.admitted:
         hit = record.prefix_hit_tokens.get(rid, 0)
@@ -192,7 +197,14 @@ def narrate_step(record: StepRecord, total_blocks: int) -> str:
         parts.append(f"{len(decoding)} running")
     if record.finished:
         parts.append("finished: " + ", ".join(record.finished))
-    parts.append(f"{record.num_free_blocks}/{total_blocks} blocks free after scheduling")
+    if pool is None:
+        parts.append(f"{record.num_free_blocks} of {total_blocks} blocks free after scheduling")
+    else:
+        free = pool.get_num_free_blocks()
+        cached = sum(1 for b in pool.free_block_queue.get_all_free_blocks()
+                     if b.block_hash is not None)
+        parts.append(f"{free} of {total_blocks} blocks free at the end of the step "
+                     f"({free - cached} empty, {cached} cached and evictable)")
     return f"Step {record.step}: " + "; ".join(parts) + "."
 
 
@@ -246,7 +258,8 @@ def record_workload(name: str, max_steps: int | None = None, seed: str = "0",
         # What vLLM's scheduler does when it makes its stats after a step.
         recorder.take_events()
         recorder.make_prefix_cache_stats()
-        narration[step] = narrate_step(scheduler.step_records[-1], total)
+        narration[step] = narrate_step(scheduler.step_records[-1], total,
+                                       recorder.manager.block_pool)
         if on_step:
             on_step(step)
         step += 1

@@ -56,7 +56,7 @@ def test_demo_of_a_workload_for_a_few_steps():
 def test_record_then_replay_has_no_divergence(recorded):
     result = kvref("replay", recorded, "--check-invariants")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip().endswith("1 traces, " + str(len(json.loads(
+    assert result.stdout.strip().endswith("1 trace replayed, " + str(len(json.loads(
         recorded.read_text())["ops"])) + " ops, 0 divergent traces")
 
 
@@ -88,18 +88,32 @@ def test_viz_export_writes_an_svg_of_the_grid(recorded, tmp_path):
     assert "◉" in text and "evictable" in text
 
 
-def test_viz_export_html_of_a_workload(tmp_path):
-    html = tmp_path / "frame.html"
+def test_viz_no_interactive_prints_the_frame_asked_for(recorded):
+    result = kvref("viz", recorded, "--op", "40", "--no-interactive")
+    assert result.returncode == 0, result.stderr
+    assert ", op 40/" in result.stdout and "free queue" in result.stdout
+
+
+def test_viz_export_html_is_the_player_of_the_whole_trace(tmp_path):
+    html = tmp_path / "player.html"
     result = kvref("viz", "--workload", "prefix-caching", "--op", "30", "--export", html)
     assert result.returncode == 0, result.stderr
-    assert "<html" in html.read_text().lower() and "kvref-prefix-caching" in html.read_text()
-    assert result.stdout.strip().endswith("op 30)")
+    text = html.read_text()
+    assert "<html" in text.lower() and "kvref player: kvref-prefix-caching" in text
+    assert '"start":30' in text and text.count('"take_events"') >= 9    # every op is in it
+    assert "a player of 58 ops" in result.stdout and result.stdout.strip().endswith("op 30)")
 
 
 def test_explain_an_op(recorded):
     trace = json.loads(recorded.read_text())
-    i = next(i for i, op in enumerate(trace["ops"]) if op["op"] == "allocate_slots"
-             and op["expect"].get("ret", 1) is None)
+    refused = [i for i, op in enumerate(trace["ops"]) if op["op"] == "allocate_slots"
+               and op["expect"].get("ret", 1) is None]
+    # An admission refused by the full-sequence gate, and a running request's refusal.
+    gated = next(i for i in refused if trace["ops"][i].get("full_sequence_must_fit"))
+    result = kvref("explain", recorded, "--op", gated)
+    assert result.returncode == 0, result.stderr
+    assert "full-sequence gate" in result.stdout
+    i = next(i for i in refused if not trace["ops"][i].get("full_sequence_must_fit"))
     result = kvref("explain", recorded, "--op", i)
     assert result.returncode == 0, result.stderr
     assert "REFUSED by the capacity gate" in result.stdout
@@ -156,6 +170,8 @@ def test_bad_trace_files_exit_2_with_one_line(tmp_path, recorded, command, case)
     (["demo", "--steps", "0"], "--steps must be at least 1"),
     (["demo", "--pause", "-1"], "--pause must be >= 0"),
     (["record", "--workload", "chat", "-o", "/nonexistent-dir/x.json"], "cannot write"),
+    (["record", "--workload", "chat", "-o", "x.svg"], "-o must end in .json or .json.gz"),
+    (["record", "--workload", "chat", "-o", "x.html"], "kvref viz --workload chat --export"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["replay", "/nonexistent-dir/"], "no such file"),
 ])
@@ -164,3 +180,67 @@ def test_bad_arguments_exit_2_with_one_line(recorded, args, reason):
     assert result.returncode == 2, result.stdout
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert reason in result.stderr and "Traceback" not in result.stderr
+
+
+def test_version_and_python_dash_m():
+    from kvref import __version__
+
+    assert kvref("--version").stdout.strip().startswith(f"kvref {__version__} ")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-m", "kvref", "--version"], capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith(f"kvref {__version__} ")
+    result = subprocess.run([sys.executable, "-m", "kvref", "demo", "--steps", "1"],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert result.returncode == 0 and "kvref demo: prefix-caching" in result.stdout
+
+
+def test_record_refuses_an_output_name_it_would_not_honour(tmp_path):
+    result = kvref("record", "--workload", "chat", "-o", tmp_path / "x.svg")
+    assert result.returncode == 2 and not (tmp_path / "x.svg").exists()
+
+
+def test_replay_of_a_folder_reports_every_file_and_goes_on(tmp_path, recorded):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    bad = _bad_files(tmp_path, recorded)
+    for case in ("truncated json", "not json", "wrong format", "unknown op"):
+        src = bad[case][0]
+        (folder / ("bad-" + case.replace(" ", "-") + ".json")).write_bytes(src.read_bytes())
+    (folder / "good-a.json").write_bytes(recorded.read_bytes())
+    (folder / "good-z.json").write_bytes(recorded.read_bytes())
+    result = kvref("replay", folder)
+    assert result.returncode == 2
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 4 and all(line.startswith("error: ") for line in errors)
+    for case in ("truncated json", "not json", "wrong format", "unknown op"):
+        assert any(bad[case][1] in line for line in errors), case
+    ops = len(json.loads(recorded.read_text())["ops"])
+    assert " ".join(result.stdout.split()).endswith(
+        f"2 traces replayed, {2 * ops} ops, 0 divergent traces; 4 files could not be "
+        "replayed (listed on stderr)")
+
+
+def _diverging_copy(recorded, tmp_path):
+    trace = json.loads(recorded.read_text())
+    i = next(i for i, op in enumerate(trace["ops"]) if op["op"] == "allocate_slots"
+             and op["expect"].get("ret"))
+    trace["ops"][i]["expect"]["ret"] = [[999]]
+    path = tmp_path / "diverging.json"
+    path.write_text(json.dumps(trace))
+    return path, i
+
+
+def test_viz_and_explain_warn_when_the_recorded_answers_differ(recorded, tmp_path):
+    path, i = _diverging_copy(recorded, tmp_path)
+    later = kvref("viz", path, "--op", i + 1)
+    assert later.returncode == 0
+    assert later.stderr.startswith("warning: kvref viz: this trace's recorded answers differ")
+    assert f"op #{i} allocate_slots" in later.stderr and f"from op {i} on" in later.stderr
+    exp = kvref("explain", path, "--op", i)
+    assert exp.returncode == 0 and "warning: kvref explain" in exp.stderr
+    svg = tmp_path / "d.svg"
+    assert "warning: kvref viz" in kvref("viz", path, "--export", svg).stderr
+    # A trace whose recorded answers are kvref's: not a word.
+    assert kvref("viz", recorded, "--op", i + 1).stderr == ""
+    assert kvref("explain", recorded, "--op", i).stderr == ""

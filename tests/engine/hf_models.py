@@ -3,7 +3,10 @@
 The expected side of every engine test: ``model.generate(do_sample=False)`` on
 one prompt at a time, with the logits of every generated position. Weights are
 initialised with a large spread so greedy decoding does not collapse onto one
-repeated token (which would make equality with the engine an easy test).
+repeated token (which would make equality with the engine an easy test), and
+every parameter transformers would start at a constant (each RMSNorm weight at
+one, each bias at zero) is drawn at random too: with regular weights a model
+that swapped two norms or dropped a bias would still generate the same tokens.
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ DEVICES = [
 def llama(seed: int = 0, *, vocab_size: int = 96, hidden_size: int = 32, layers: int = 2,
           heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
           tie: bool = False, rope_parameters: dict | None = None,
-          attention_bias: bool = False) -> transformers.PreTrainedModel:
+          attention_bias: bool = False, mlp_bias: bool = False
+          ) -> transformers.PreTrainedModel:
     config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim or hidden_size // heads, max_position_embeddings=256,
         tie_word_embeddings=tie, initializer_range=0.3, rope_parameters=rope_parameters,
-        attention_bias=attention_bias,
+        attention_bias=attention_bias, mlp_bias=mlp_bias,
         attn_implementation="eager", eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    return _random_biases(transformers.LlamaForCausalLM(config).eval())
+    return perturb(transformers.LlamaForCausalLM(config).eval())
 
 
 def hybrid(seed: int = 0, *, arch: str = "qwen3", window: int = 5,
@@ -55,17 +59,31 @@ def hybrid(seed: int = 0, *, arch: str = "qwen3", window: int = 5,
         attention_bias=attention_bias,
         eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    return _random_biases(model_cls(config).eval())
+    return perturb(model_cls(config).eval())
 
 
-def _random_biases(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
-    """transformers starts every bias at zero; a bias the engine dropped or put
-    in the wrong place would go unnoticed, so give them values."""
+def perturb(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """Give every constant-initialised parameter random values.
+
+    transformers starts every bias at zero and every RMSNorm weight (the
+    layer norms, the final norm, Qwen3's q/k norms) at one: a bias the engine
+    dropped, or a norm applied in another norm's place, would go unnoticed.
+    Norm weights become ``1 + N(0, 0.3)`` per element (different in every
+    norm), biases ``N(0, 0.3)``; tied embeddings stay tied.
+    """
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.3)
+            elif "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight"):
+                param.normal_(1.0, 0.3)
     return model
+
+
+def constant_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of parameters whose elements are all equal (what ``perturb`` removes)."""
+    return [name for name, param in model.named_parameters()
+            if param.numel() > 1 and bool((param == param.flatten()[0]).all())]
 
 
 @functools.lru_cache(maxsize=None)

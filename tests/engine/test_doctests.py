@@ -7,9 +7,9 @@ import importlib
 
 import pytest
 
-MODULES = ["kvref.engine.scheduler", "kvref.engine.model_free_runner", "kvref.engine.request",
-           "kvref.engine.sampling_params", "kvref.engine.model", "kvref.engine.model_runner",
-           "kvref.engine.loader", "kvref.engine.ngram_proposer"]
+MODULES = ["kvref.engine.core", "kvref.engine.scheduler", "kvref.engine.model_free_runner",
+           "kvref.engine.request", "kvref.engine.sampling_params", "kvref.engine.model",
+           "kvref.engine.model_runner", "kvref.engine.loader", "kvref.engine.ngram_proposer"]
 
 
 @pytest.mark.parametrize("name", MODULES)

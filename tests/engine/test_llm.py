@@ -19,6 +19,7 @@ from kvref import BlockRemoved
 from kvref.engine import LLM, SamplingParams
 
 from .hf_models import DEVICES, assert_matches_transformers, hybrid, llama, reference
+from .limits import Limits, watch_limits
 
 MAX_TOKENS = 8
 
@@ -120,7 +121,9 @@ def test_llama_batch_with_prefix_hits_chunks_and_preemption_matches_transformers
 def test_sliding_window_hybrid_model_matches_transformers(arch, device):
     model = hybrid(arch=arch, window=5)
     prompts = shared_prefix_prompts(model.config.vocab_size, seed=1)
-    llm, watcher = make_llm(model, device, num_gpu_blocks=40)
+    # 32 blocks: tight enough that requests admitted whole still preempt each other
+    # as they grow (with 40 the full-sequence admission gate leaves no preemption).
+    llm, watcher = make_llm(model, device, num_gpu_blocks=32)
     groups = llm.kv_cache_config.kv_cache_groups
     assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec",
                                                                 "SlidingWindowSpec"]
@@ -243,28 +246,93 @@ def test_ngram_speculative_decoding_matches_transformers(kind, device):
     assert stats.num_preemptions > 0
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+HYPOTHESIS_MODELS = {
+    "llama-untied": llama(seed=11, layers=1, vocab_size=24),
+    "llama-tied-all-biases": llama(seed=12, layers=2, vocab_size=24, tie=True,
+                                   attention_bias=True, mlp_bias=True),
+    "qwen3-window-tied": hybrid(seed=11, window=4, vocab_size=24),
+    "qwen2-window-untied": hybrid(seed=13, arch="qwen2", window=3, vocab_size=24, tie=False,
+                                  layer_types=("sliding_attention", "full_attention")),
+}
+
+
+def check_runner_buffers(llm: LLM) -> None:
+    """Wrap the runner's ``execute_model``: after each step the worker's block
+    table rows (batch order) are the manager's blocks of the scheduled requests
+    (wherever the manager holds a real block), and each slot-mapping buffer is
+    padding after the step's tokens."""
+    runner, manager = llm.model_runner, llm.kv_cache_manager
+    execute_model = runner.execute_model
+
+    def checked(scheduler_output):
+        output = execute_model(scheduler_output)
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        for row, req_id in enumerate(scheduler_output.num_scheduled_tokens):
+            for g, table in enumerate(runner.block_table):
+                k = table.blocks_per_kv_block
+                ids = [b * k + j for b in manager.get_block_ids(req_id)[g] for j in range(k)]
+                worker = table.row(row)
+                # Blocks the manager has since replaced by the null block (left of a
+                # window) keep their old id in the worker's table, as in vLLM: only
+                # the scheduler's new blocks are sent, and attention never reads there.
+                assert len(worker) == len(ids) and all(
+                    w == m for w, m in zip(worker, ids) if m >= k), (
+                    f"row {row} ({req_id}), group {g}: worker {worker}, manager {ids}")
+        for table in runner.block_table:
+            assert (table.slot_mapping[num_tokens:] == -1).all()
+        return output
+
+    runner.execute_model = checked
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
 @given(data=st.data(),
-       num_gpu_blocks=st.integers(17, 40),
+       model_name=st.sampled_from(sorted(HYPOTHESIS_MODELS)),
+       block_size=st.sampled_from([2, 3, 4, 5]),
+       max_model_len=st.integers(12, 40),
+       extra_blocks=st.integers(0, 24),
        budget=st.integers(4, 32),
-       use_window=st.booleans(),
+       chunked=st.sampled_from([True, True, True, False]),
+       threshold=st.sampled_from([0, 0, 3, 7]),
+       max_num_seqs=st.integers(1, 6),
        speculate=st.booleans())
-def test_drawn_workloads_match_transformers(data, num_gpu_blocks, budget, use_window,
-                                            speculate):
-    model = HYPOTHESIS_MODELS[use_window]
+def test_drawn_workloads_match_transformers(data, model_name, block_size, max_model_len,
+                                            extra_blocks, budget, chunked, threshold,
+                                            max_num_seqs, speculate):
+    """Whole workloads, every knob drawn: block size and max_model_len (rarely
+    multiples of each other), pool size just above one full request upwards,
+    budget, chunked prefill on or off, long_prefill_token_threshold,
+    max_num_seqs, n-gram drafts; prompts from 1 token to max_model_len - 1 and
+    max_tokens that often run into max_model_len. Every step is checked against
+    every scheduler limit and the runner's buffers; every request's tokens are
+    transformers' own."""
+    model = HYPOTHESIS_MODELS[model_name]
     vocab = model.config.vocab_size
-    prefixes = [[], [7, 1, 8, 2, 8, 1, 8, 2], [3] * 5 + [4] * 5]
-    llm, _ = make_llm(model, "cpu", num_gpu_blocks=num_gpu_blocks,
-                      max_num_batched_tokens=budget,
+    num_groups = len(set(getattr(model.config, "layer_types", None) or ["full_attention"]))
+    num_gpu_blocks = 1 + num_groups * -(-max_model_len // block_size) + extra_blocks
+    if not chunked:
+        budget = max(budget, max_model_len)
+        threshold = 0
+    llm, _ = make_llm(model, "cpu", block_size=block_size, max_model_len=max_model_len,
+                      num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget,
+                      enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold,
+                      max_num_seqs=max_num_seqs,
                       speculative_config=NGRAM if speculate else None)
+    limits = watch_limits(llm.scheduler, Limits(
+        budget=budget, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        long_prefill_token_threshold=threshold, enable_chunked_prefill=chunked,
+        num_speculative_tokens=NGRAM["num_speculative_tokens"]))
+    check_runner_buffers(llm)
+    prefixes = [[], [7, 1, 8, 2, 8, 1, 8, 2], [3] * 5 + [4] * 5]
     arrivals: dict[int, list[tuple[list[int], int]]] = {}
     for _ in range(data.draw(st.integers(2, 8), label="num_requests")):
         prefix = data.draw(st.sampled_from(prefixes), label="shared_prefix")
         tail = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=16),
                          label="tail")
-        max_tokens = data.draw(st.integers(1, 6), label="max_tokens")
+        prompt = (prefix + tail)[:max_model_len - 1]
+        max_tokens = data.draw(st.integers(1, max_model_len), label="max_tokens")
         step = data.draw(st.integers(0, 5), label="arrival_step")
-        arrivals.setdefault(step, []).append((prefix + tail, max_tokens))
+        arrivals.setdefault(step, []).append((prompt, max_tokens))
 
     requests = []
     step = 0
@@ -278,8 +346,21 @@ def test_drawn_workloads_match_transformers(data, num_gpu_blocks, budget, use_wi
         assert step < 500
     assert llm.kv_cache_manager.block_pool.get_num_free_blocks() == num_gpu_blocks - 1
     for request, prompt, max_tokens in requests:
-        assert request.output_token_ids == reference(model, prompt, max_tokens)[0][:max_tokens]
+        expected = min(max_tokens, max_model_len - len(prompt))
+        assert request.output_token_ids == reference(model, prompt, expected)[0]
+    EXERCISED["max_model_len"] += any(len(p) + len(r.output_token_ids) == max_model_len
+                                      for r, p, _ in requests)
+    EXERCISED["later_chunks"] += limits.chunks_checked
+    EXERCISED["preemptions"] += llm.stats.num_preemptions
+    EXERCISED["drafts"] += llm.stats.num_accepted_tokens
 
 
-HYPOTHESIS_MODELS = {False: llama(seed=11, layers=1, vocab_size=24),
-                     True: hybrid(seed=11, window=4, vocab_size=24)}
+EXERCISED = {"max_model_len": 0, "later_chunks": 0, "preemptions": 0, "drafts": 0}
+
+
+def test_the_drawn_workloads_reach_every_edge():
+    """Runs after the property above (file order): its workloads ran into
+    max_model_len, cut later prefill chunks, preempted, and accepted drafts."""
+    if not all(EXERCISED.values()):
+        test_drawn_workloads_match_transformers()
+    assert all(count > 0 for count in EXERCISED.values()), EXERCISED

@@ -22,6 +22,8 @@ from kvref import (
 from kvref.engine import EngineRequest, ModelFreeRunner, SamplingParams, Scheduler, engine_step
 from kvref.engine.ngram_proposer import NgramProposer
 
+from .limits import Limits, watch_limits
+
 VOCAB = 97
 
 
@@ -135,8 +137,10 @@ def test_shared_prefix_is_served_from_the_cache():
 def test_num_cached_tokens_is_the_last_admission_before_the_first_token():
     # vLLM reports the hit of the request's PrefillStats, which every admission
     # overwrites until the first output token is out. "a" (16 tokens, prefilled
-    # 4 at a time) is preempted by "b"'s decodes twice before it samples.
-    scheduler = Scheduler(make_manager(7), max_num_batched_tokens=4)
+    # 4 at a time) is preempted by "b"'s decodes twice before it samples. (That
+    # takes admitting "a" before its whole sequence fits: the gate is off.)
+    scheduler = Scheduler(make_manager(7), max_num_batched_tokens=4,
+                          scheduler_reserve_full_isl=False)
     runner = ModelFreeRunner(VOCAB)
     scheduler.new_request("b", list(range(1, 8)), SamplingParams(max_tokens=12,
                                                                  ignore_eos=True))
@@ -154,7 +158,7 @@ def test_num_cached_tokens_is_the_last_admission_before_the_first_token():
     assert a.output_token_ids == runner.reference_output(list(range(20, 36)), 2)
 
 
-def test_a_full_pool_preempts_the_newest_request_back_to_the_front_of_the_queue():
+def test_a_full_pool_preempts_the_last_admitted_request_back_to_the_front_of_the_queue():
     # 5 usable blocks of 4 tokens (block 0 is the null block).
     scheduler = Scheduler(make_manager(6), max_num_batched_tokens=64)
     runner = ModelFreeRunner(VOCAB)
@@ -165,8 +169,8 @@ def test_a_full_pool_preempts_the_newest_request_back_to_the_front_of_the_queue(
     engine_step(scheduler, runner)
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0
     engine_step(scheduler, runner)
-    # "a" needs a 3rd block: the newest, "c", goes; then "b" needs one and is
-    # itself the newest left, so it goes too. "a" keeps running.
+    # "a" needs a 3rd block: the last-admitted, "c", goes; then "b" needs one and
+    # is itself the last-admitted left, so it goes too. "a" keeps running.
     record = scheduler.step_records[1]
     assert record.preempted == ["c", "b"]
     assert record.num_scheduled_tokens == {"a": 1}
@@ -181,7 +185,7 @@ def test_a_full_pool_preempts_the_newest_request_back_to_the_front_of_the_queue(
     assert any(r.resumed == ["c"] for r in scheduler.step_records)
 
 
-def test_a_request_that_is_itself_the_newest_preempts_itself():
+def test_a_request_that_is_itself_the_last_admitted_preempts_itself():
     scheduler = Scheduler(make_manager(5), max_num_batched_tokens=64)
     runner = ModelFreeRunner(VOCAB)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -190,7 +194,7 @@ def test_a_request_that_is_itself_the_newest_preempts_itself():
     engine_step(scheduler, runner)
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0
     engine_step(scheduler, runner)
-    # "a" decodes inside its second block; "b" needs a new one and is the newest.
+    # "a" decodes inside its second block; "b" needs a new one and is the last admitted.
     assert scheduler.step_records[1].num_scheduled_tokens == {"a": 1}
     assert scheduler.step_records[1].preempted == ["b"]
     assert b.status == RequestStatus.PREEMPTED
@@ -284,25 +288,41 @@ def test_a_draft_is_cut_to_the_token_budget():
     assert req.spec_token_ids == []
 
 
-EXERCISED = {"preemptions": 0, "cached": 0, "chunks": 0}
+EXERCISED = {"preemptions": 0, "cached": 0, "chunks": 0, "later_chunks": 0, "drafts": 0,
+             "max_model_len": 0}
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(data=st.data(),
        num_blocks=st.integers(8, 24),
+       block_size=st.sampled_from([2, 3, 4, 4, 5]),
+       trim=st.integers(0, 3),
        budget=st.integers(4, 24),
        max_num_seqs=st.integers(1, 6),
        sliding_window=st.sampled_from([None, 3, 6]),
-       threshold=st.sampled_from([0, 0, 5]))
+       threshold=st.sampled_from([0, 0, 5]),
+       chunked=st.sampled_from([True, True, True, False]),
+       speculate=st.booleans())
 def test_any_workload_generates_what_the_model_alone_generates(
-        data, num_blocks, budget, max_num_seqs, sliding_window, threshold):
-    block_size = 4
-    max_model_len = (num_blocks - 1) * block_size // 2       # one request always fits
+        data, num_blocks, block_size, trim, budget, max_num_seqs, sliding_window, threshold,
+        chunked, speculate):
+    # One request always fits; max_model_len is rarely a multiple of the block size.
+    max_model_len = max(8, (num_blocks - 1) * block_size // 2 - trim)
+    if not chunked:
+        budget, threshold = max(budget, max_model_len), 0
     manager = make_manager(num_blocks, block_size, max_model_len=max_model_len,
                            sliding_window=sliding_window, max_num_batched_tokens=budget)
     scheduler = Scheduler(manager, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                          long_prefill_token_threshold=threshold)
-    runner = ModelFreeRunner(VOCAB)
+                          long_prefill_token_threshold=threshold,
+                          enable_chunked_prefill=chunked)
+    limits = watch_limits(scheduler, Limits(
+        budget=budget, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        long_prefill_token_threshold=threshold, enable_chunked_prefill=chunked,
+        num_speculative_tokens=3))
+    # A 3-token vocabulary makes the hash "model" repeat itself: drafts hit.
+    vocab = 3 if speculate else VOCAB
+    runner = ModelFreeRunner(vocab, drafter=NgramProposer(1, 3, 3, max_model_len)
+                             if speculate else None)
     prefixes = [[], [1, 2, 3, 4, 5, 6, 7, 8], [9] * 6]
     arrivals: dict[int, list] = {}
     expected: dict[str, list[int]] = {}
@@ -323,13 +343,16 @@ def test_any_workload_generates_what_the_model_alone_generates(
     EXERCISED["chunks"] += sum(1 for r in scheduler.step_records
                                for rid, n in r.num_scheduled_tokens.items() if n > 1
                                and rid not in r.sampled)
+    EXERCISED["later_chunks"] += limits.chunks_checked
+    EXERCISED["drafts"] += scheduler.stats.num_accepted_tokens
+    EXERCISED["max_model_len"] += limits.max_position_reached == max_model_len - 1
     assert manager.block_pool.get_num_free_blocks() == num_blocks - 1
 
 
 def test_the_drawn_workloads_preempt_hit_the_cache_and_chunk():
-    """Runs after the property above (file order): its workloads were not all easy."""
-    if EXERCISED["chunks"] == 0:
+    """Runs after the property above (file order): its workloads were not all easy
+    (they preempted, hit the cache, cut prompts into chunks and checked the
+    later ones against every limit, accepted drafts, reached max_model_len)."""
+    if not all(EXERCISED.values()):
         test_any_workload_generates_what_the_model_alone_generates()
-    assert EXERCISED["preemptions"] > 0
-    assert EXERCISED["cached"] > 0
-    assert EXERCISED["chunks"] > 0
+    assert all(count > 0 for count in EXERCISED.values()), EXERCISED

@@ -36,7 +36,7 @@ from kvref import (
 )
 from kvref.attention import make_kv_cache, paged_attention, write_kv
 from kvref.attention.mamba_state import make_state_cache, mamba_step, recurrence_reference
-from kvref.worker import MultiGroupBlockTable
+from kvref.worker import PAD_SLOT_ID, MultiGroupBlockTable
 
 DEVICES = [
     "cpu",
@@ -342,6 +342,16 @@ class Run:
         return slots
 
 
+def poison_row_tails(run: Run, group: int, block_table: torch.Tensor) -> torch.Tensor:
+    """A copy of a step's block table whose columns past each row's used part
+    hold a block id outside the cache: reading one fails loudly."""
+    poisoned = block_table.clone()
+    bad = run.caches[group].shape[0] + 7
+    for r in range(poisoned.shape[0]):
+        poisoned[r, run.table[group].num_blocks_per_row[r]:] = bad
+    return poisoned
+
+
 def nan_outside(cache: torch.Tensor, readable: set[int]) -> torch.Tensor:
     """A copy of ``cache`` with every slot not in ``readable`` set to NaN."""
     num_blocks, _, bs = cache.shape[:3]
@@ -357,7 +367,10 @@ def check_step(run: Run, step: Step, atol: float = 1e-5, rtol: float = 0.0) -> N
     - the output equals dense SDPA in float32 (``atol``, ``rtol``) and is finite;
     - it is unchanged when every slot no query may read is NaN;
     - the worker's table (rows appended step by step) and the manager's current
-      table give the same output: they agree wherever attention reads;
+      table give the same output: they agree wherever attention reads, and
+      attention reads no column past a row's used part (those hold an
+      out-of-range id in the check);
+    - the worker's slot-mapping buffer is padding (-1) after the step's tokens;
     - no readable slot is in the null block, and in window and chunk groups the
       manager's null blocks are exactly the blocks left of the first query's
       first visible key.
@@ -367,6 +380,8 @@ def check_step(run: Run, step: Step, atol: float = 1e-5, rtol: float = 0.0) -> N
         spec = run.specs[g]
         out = gb.output
         assert torch.isfinite(out[:step.query_start_loc[-1]]).all()
+        tail = run.table[g].slot_mapping[step.query_start_loc[-1]:]
+        assert (tail == PAD_SLOT_ID).all(), "the slot-mapping buffer keeps an earlier tail"
         if step.query_start_loc[-1]:
             torch.testing.assert_close(out.float(), run.reference(step, g), atol=atol,
                                        rtol=rtol)
@@ -381,7 +396,8 @@ def check_step(run: Run, step: Step, atol: float = 1e-5, rtol: float = 0.0) -> N
                       scale=run.scale, sliding_window=window_of(spec),
                       attention_chunk_size=chunk_of(spec))
         poisoned = nan_outside(run.caches[g], readable)
-        assert torch.equal(paged_attention(gb.query, poisoned, block_table=gb.block_table,
+        assert torch.equal(paged_attention(gb.query, poisoned,
+                                           block_table=poison_row_tails(run, g, gb.block_table),
                                            **common), out)
         assert torch.equal(paged_attention(gb.query, poisoned, block_table=gb.manager_table,
                                            **common), out)

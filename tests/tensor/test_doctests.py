@@ -9,6 +9,7 @@ import pytest
 
 MODULES = ["kvref.worker.block_table", "kvref.attention.paged_attention",
            "kvref.attention.flashinfer", "kvref.attention.cascade",
+           "kvref.attention.fast_paged_attention",
            "kvref.attention.mamba_state"]
 
 

@@ -44,3 +44,22 @@ def admit(manager: KVCacheManager, rid: str, tokens: list[int], block_size: int 
     req.status = RequestStatus.RUNNING
     req.num_computed_tokens = req.num_tokens
     return req
+
+
+def long_pressure_trace() -> dict:
+    """Over 1,000 ops (1,112 today): 14 long requests on a 24-block pool, the
+    ``pressure`` preset's kind of load for longer (evictions, preemptions)."""
+    import random
+    from unittest import mock
+
+    from kvref.viz import workloads as w
+
+    def preset():
+        rng = random.Random(7)
+        arrivals = [w.Arrival(f"r{i}", w._tokens(rng, rng.randrange(18, 30)), 14, step=i // 2)
+                    for i in range(14)]
+        return w.Preset("long-pressure", "14 long requests on a 24-block pool", w._full(25),
+                        4, 64, 32, arrivals, max_num_seqs=6, watermark=0.04)
+
+    with mock.patch.dict(w.PRESETS, {"long-pressure": preset}):
+        return w.record_workload("long-pressure")

@@ -79,3 +79,19 @@ def test_sliding_window_story_shows_nulls_and_a_shortened_hybrid_hit():
     assert hit.hit_tokens == 8
     assert "alone could hit 16 tokens" in walk.narration[4]
     assert "agrees on 8 tokens" in walk.narration[4]
+
+
+def test_the_stated_pool_size_is_the_drawn_one():
+    """The title's pool size is the number of cells the grid draws, null block included."""
+    from kvref.viz.player import TracePlayer
+    from kvref.viz.panels import render_frame
+    from tests.viz.helpers import text_of
+
+    trace = PrefixCachingWalkthrough().record()
+    player = TracePlayer(trace)
+    player.seek_step(0)
+    n = player.manager.block_pool.num_gpu_blocks
+    assert f"a {n}-block pool (block 0 is the null block, {n - 1} to allocate)" in \
+        PrefixCachingWalkthrough.title
+    assert f"{n} blocks (block 0 is the null block), one cell each" in \
+        text_of(render_frame(player))

@@ -1,0 +1,1 @@
+"""KV transfer (mirrors ``vllm/distributed/kv_transfer/``): connectors and their config."""

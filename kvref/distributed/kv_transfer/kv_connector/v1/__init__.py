@@ -1,0 +1,15 @@
+"""The v1 connector interface and kvref's connectors
+(mirrors ``vllm/distributed/kv_transfer/kv_connector/v1/``).
+
+``base.py``: ``KVConnectorBase_V1``, its metadata and output.
+``example_connector.py``: ``ExampleConnector``, block files on disk.
+``p2p/p2p_connector.py``: ``P2pConnector``, prefill -> decode between processes.
+``simple_cpu_offload_connector.py``: ``SimpleCPUOffloadConnector``, a host LRU tier.
+"""
+
+from kvref.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole,
+    KVConnectorStats)
+
+__all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput",
+           "KVConnectorRole", "KVConnectorStats"]

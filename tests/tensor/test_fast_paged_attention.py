@@ -1,0 +1,159 @@
+"""The engine's batched paged attention equals the per-request reference and dense SDPA.
+
+Every step of the scenarios of ``test_paged_attention`` (prefix hits, windows,
+chunks, hybrid groups, kernel-split blocks, preemption, reordered rows) runs
+``fast_paged_attention`` on the same query, cache and block table as the
+reference ``paged_attention``; both must give dense SDPA's answer (float32,
+1e-5), and the fast path must not change when every slot no query may read
+is NaN, through the worker's table and through the manager's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvref import FullAttentionSpec, SlidingWindowSpec
+from kvref.attention import (
+    KVGatherBuffer,
+    fast_paged_attention,
+    make_kv_cache,
+    paged_attention,
+)
+
+from .driver import DEVICES, Run, chunk_of, nan_outside, window_of
+from .test_paged_attention import CONFIGS, mixed_run
+
+
+def check_fast_step(run: Run, step, buffer: KVGatherBuffer, atol: float = 1e-5,
+                    rtol: float = 0.0) -> None:
+    num_rows = step.query_start_loc[-1]
+    for gb in step.groups:
+        spec = run.specs[gb.group]
+        common = dict(query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
+                      scale=run.scale, sliding_window=window_of(spec),
+                      attention_chunk_size=chunk_of(spec), buffer=buffer)
+        fast = fast_paged_attention(gb.query, run.caches[gb.group], block_table=gb.block_table,
+                                    **common)
+        assert fast.dtype == gb.output.dtype and fast.shape == gb.output.shape
+        assert torch.isfinite(fast[:num_rows]).all()
+        torch.testing.assert_close(fast.float(), run.reference(step, gb.group), atol=atol,
+                                   rtol=rtol)
+        torch.testing.assert_close(fast, gb.output, atol=atol, rtol=rtol)   # the reference
+        poisoned = nan_outside(run.caches[gb.group], run.readable_slots(step, gb.group))
+        for table in (gb.block_table, gb.manager_table):
+            assert torch.equal(fast_paged_attention(gb.query, poisoned, block_table=table,
+                                                    **common), fast)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+def test_fast_path_equals_the_reference_and_sdpa_on_every_step(config, device):
+    run = Run(num_blocks=48, device=device, **CONFIGS[config])
+    buffer = KVGatherBuffer()                 # one buffer for every step, as in the engine
+    for step in mixed_run(run):
+        check_fast_step(run, step, buffer)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("config", ["full", "sliding_window", "chunked_local",
+                                    "hybrid_full_swa", "kernel_split_swa"])
+def test_fast_path_in_half_precision_is_the_float32_answer_rounded(config, dtype, device):
+    run = Run(num_blocks=48, device=device, dtype=dtype, **CONFIGS[config])
+    buffer = KVGatherBuffer()
+    for step in mixed_run(run):
+        check_fast_step(run, step, buffer, rtol=torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_fast_path_grouped_query_heads(num_heads, num_kv_heads):
+    specs = [FullAttentionSpec(4, num_kv_heads=num_kv_heads, head_size=8),
+             SlidingWindowSpec(4, num_kv_heads=num_kv_heads, head_size=8, sliding_window=5)]
+    run = Run(specs, num_blocks=48, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    for _, step in zip(range(5), mixed_run(run)):
+        check_fast_step(run, step, KVGatherBuffer())
+
+
+def _random_batch(seed: int, query_lens: list[int], seq_lens: list[int], block_size: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 1
+    cache = torch.randn(num_blocks, 2, block_size, 2, 8, generator=gen)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    for r, n in enumerate(blocks):
+        table[r, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1] + 2, 4, 8, generator=gen)        # + 2 padding rows
+    return query, cache, dict(query_start_loc=starts, seq_lens=seq_lens, block_table=table,
+                              scale=8 ** -0.5)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=False), dict(sliding_window=3),
+                                     dict(attention_chunk_size=4),
+                                     dict(causal=False, attention_chunk_size=8),
+                                     dict(sliding_window=6, attention_chunk_size=8)])
+def test_mixed_query_lengths_match_the_reference(options):
+    """Decodes, chunks and an idle row in one batch: three SDPA calls, one answer."""
+    query, cache, batch = _random_batch(1, [1, 5, 0, 1, 5, 9], [13, 7, 4, 2, 21, 9])
+    want = paged_attention(query, cache, **batch, **options)
+    got = fast_paged_attention(query, cache, **batch, **options)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert got[-2:].abs().sum() == 0                                # padding rows stay 0
+
+
+def test_one_buffer_serves_batches_of_any_size():
+    buffer = KVGatherBuffer()
+    for seed, (q_lens, s_lens) in enumerate([([1, 1], [30, 3]), ([1] * 6, [5] * 6),
+                                             ([3], [3]), ([1, 1], [30, 3])]):
+        query, cache, batch = _random_batch(seed, q_lens, s_lens)
+        torch.testing.assert_close(fast_paged_attention(query, cache, **batch, buffer=buffer),
+                                   paged_attention(query, cache, **batch), atol=1e-5, rtol=0)
+
+
+def test_float64_stays_float64():
+    query, cache, batch = _random_batch(3, [2, 1], [6, 9])
+    query, cache = query.double(), cache.double()
+    got = fast_paged_attention(query, cache, **batch)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, paged_attention(query, cache, **batch), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(query=torch.zeros(3, 3, 4)), "multiple of num_kv_heads"),
+    (dict(query_start_loc=[0, 3, 4]), "num_reqs \\+ 1"),
+    (dict(seq_lens=[2]), "query_len 3"),
+    (dict(block_table=torch.tensor([[1]])), "needs 2 blocks"),
+    (dict(kv_cache=torch.zeros(4, 2, 2, 4)), "kv_cache must be"),
+    (dict(attention_chunk_size=-2), "attention_chunk_size must be a positive int"),
+])
+def test_fast_path_shape_errors_name_the_shapes(bad, match):
+    args = dict(query=torch.zeros(3, 2, 4), kv_cache=make_kv_cache(4, 2, 2, 4),
+                query_start_loc=[0, 3], seq_lens=[4], block_table=torch.tensor([[1, 2]]),
+                scale=1.0)
+    args.update(bad)
+    query, kv_cache = args.pop("query"), args.pop("kv_cache")
+    with pytest.raises(ValueError, match=match):
+        fast_paged_attention(query, kv_cache, **args)
+
+
+def test_a_plan_writes_where_write_kv_writes_and_checks_the_slots_once():
+    from kvref.attention import PagedAttentionPlan, write_kv
+    key = torch.arange(12.0).reshape(4, 1, 3)
+    slots = torch.tensor([5, -1, 0, 3])                       # a padding token in the middle
+    want, got = make_kv_cache(3, 2, 1, 3, fill=-1.0), make_kv_cache(3, 2, 1, 3, fill=-1.0)
+    write_kv(want, key, key + 100, slots)
+    plan = PagedAttentionPlan([0, 4], [4], torch.tensor([[0, 1, 2]]), block_size=2,
+                              num_blocks=3, slot_mapping=slots)
+    plan.write_kv(got, key, key + 100)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="outside 0..5"):
+        PagedAttentionPlan([0, 1], [1], torch.tensor([[0]]), block_size=2, num_blocks=3,
+                           slot_mapping=torch.tensor([6]))
+    with pytest.raises(ValueError, match="3 blocks of 2"):
+        plan.write_kv(make_kv_cache(4, 2, 1, 3), key, key)
+    with pytest.raises(ValueError, match="without a slot_mapping"):
+        PagedAttentionPlan([0, 1], [1], torch.tensor([[0]]), block_size=2).write_kv(got, key, key)
