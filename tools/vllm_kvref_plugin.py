@@ -38,6 +38,21 @@ SWAPPED = {
 }
 
 
+# Names a vLLM KV-layer module imports from a module that is not KV layer
+# (``Request`` from vllm.v1.request; the event classes from
+# vllm.distributed.kv_events). They stay vLLM's: the swapped module gets
+# vLLM's object under that name. kvref's kv_cache_manager names its own Request
+# only in annotations and doctests; its block pool then builds vLLM's event
+# classes with its own arguments, so vLLM's tests see (and check) events of
+# vLLM's types, as a drop-in must emit them.
+_EVENTS = "vllm.distributed.kv_events"
+REEXPORTED = {
+    "vllm.v1.core.kv_cache_manager": {"Request": "vllm.v1.request", "BlockStored": _EVENTS},
+    "vllm.v1.core.block_pool": {"BlockStored": _EVENTS, "BlockRemoved": _EVENTS,
+                                "AllBlocksCleared": _EVENTS},
+}
+
+
 def _swap() -> None:
     already = [name for name in SWAPPED if name in sys.modules]
     if already:
@@ -48,6 +63,10 @@ def _swap() -> None:
         parent = importlib.import_module(parent_name)  # vllm.v1, vllm.v1.core
         sys.modules[vllm_name] = module
         setattr(parent, leaf, module)
+    for vllm_name, names in REEXPORTED.items():
+        for name, source in names.items():
+            setattr(sys.modules[vllm_name], name,
+                    getattr(importlib.import_module(source), name))
 
 
 def _cpu_platform() -> None:
