@@ -42,7 +42,6 @@ platform turns it off; kvref runs it on CPU when asked to).
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -50,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvref import KVCacheManager, SlidingWindowSpec
+from kvref import KVCacheConfig, KVCacheManager
 from kvref.engine.async_scheduler import AsyncScheduler
 from kvref.engine.core import make_engine_core
 from kvref.engine.loader import load_model
@@ -108,14 +107,16 @@ def resolve_batch_limits(device: torch.device | str, max_model_len: int,
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence (``vllm/outputs.py``). ``logits``: one
-    ``[vocab]`` float32 tensor per generated token, when the LLM keeps them."""
+    """One generated sequence (``vllm/outputs.py``). ``stop_reason``: the stop
+    token that ended it (None for EOS or a length cap, as in vLLM). ``logits``:
+    one ``[vocab]`` float32 tensor per generated token, when the LLM keeps them."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None
     logits: list[torch.Tensor] = field(default_factory=list)
     text: str | None = None        # the tokens decoded, when the LLM has a tokenizer
+    stop_reason: int | None = None
 
 
 @dataclass
@@ -205,7 +206,7 @@ class LLM:
                              f"({self.max_model_len})")
 
         probe = make_kv_cache_config(config, block_size, 1, self.dtype)
-        per_request = self._blocks_per_full_request(probe, block_size)
+        per_request = self._blocks_per_full_request(probe)
         if num_gpu_blocks is None:
             num_tensors = max(len(g.layer_names) for g in probe.kv_cache_groups)
             block_bytes = num_tensors * probe.kv_cache_groups[0].kv_cache_spec.page_size_bytes
@@ -287,16 +288,14 @@ class LLM:
         high = low if high is None else high
         return NgramProposer(low, high, k, self.max_model_len)
 
-    def _blocks_per_full_request(self, kv_cache_config, block_size: int) -> int:
-        total = 0
-        for group in kv_cache_config.kv_cache_groups:
-            blocks = math.ceil(self.max_model_len / block_size)
-            spec = group.kv_cache_spec
-            if isinstance(spec, SlidingWindowSpec):
-                blocks = min(blocks, spec.max_admission_blocks_per_request(
-                    self.max_num_batched_tokens, self.max_model_len))
-            total += blocks
-        return total
+    def _blocks_per_full_request(self, kv_cache_config: KVCacheConfig) -> int:
+        """Blocks one request of ``max_model_len`` tokens holds at its peak, summed
+        over the groups: what vLLM's start-up check (``_check_enough_kv_cache_memory``
+        over ``_max_memory_usage_bytes_from_groups``) asks the pool for."""
+        return sum(group.kv_cache_spec.max_num_blocks_per_request(
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens)
+            for group in kv_cache_config.kv_cache_groups)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -365,7 +364,8 @@ class LLM:
         logits = self._logits.pop(request.request_id, [])[:len(tokens)]
         text = (None if self.tokenizer is None else
                 self.tokenizer.decode(tokens, skip_special_tokens=True))
-        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits, text)
+        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits, text,
+                                      request.stop_reason)
         return RequestOutput(request.request_id, list(request.prompt_token_ids),
                              [completion], True, request.num_cached_tokens,
                              self._prompt_text.pop(request.request_id, None),

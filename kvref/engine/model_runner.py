@@ -58,7 +58,8 @@ from kvref.attention import PagedAttentionPlan, make_kv_cache
 from kvref.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorOutput,
                                                                 KVConnectorRole)
-from kvref.engine.model import AttentionMetadata, ModelConfig, TransformerForCausalLM
+from kvref.engine.model import AttentionMetadata, TransformerForCausalLM
+from kvref.engine.model_config import ModelConfig
 from kvref.engine.gpu_input_batch import CachedRequestState, RunnerRequestStates
 from kvref.engine.ngram_proposer import NgramProposer
 from kvref.engine.outputs import ModelRunnerOutput

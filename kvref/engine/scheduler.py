@@ -129,6 +129,7 @@ from kvref.engine.outputs import ModelRunnerOutput
 from kvref.engine.request import EngineRequest, check_stop
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvref.math_utils import cdiv
 from kvref.stats import PrefixCacheStats
 
 __all__ = ["Scheduler", "SchedulerStats", "StepRecord"]
@@ -879,7 +880,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens - \
                 num_scheduled_tokens.get(request.request_id, 0)
             is_affected = marked_here = False
-            for index, block_id in enumerate(block_ids[:-(-num_computed // block_size)]):
+            for index, block_id in enumerate(block_ids[:cdiv(num_computed, block_size)]):
                 if block_id not in invalid_block_ids:
                     continue
                 is_affected = True

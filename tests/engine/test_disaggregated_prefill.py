@@ -25,6 +25,7 @@ import pytest
 from kvref.distributed.kv_transfer import disagg_prefill
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.engine import LLM, SamplingParams
+from kvref.math_utils import cdiv
 
 from .hf_models import llama
 from .test_kv_connectors import assert_all_blocks_free, check_scheduler
@@ -136,7 +137,7 @@ def test_the_decode_engine_computes_only_each_prompts_last_token(model_dir, prom
         assert stats.prompt_tokens_external == sum(len(p) - 1 for p in prompts)
         assert stats.prompt_tokens_cached == 0
         worker = decode.model_runner.kv_connector
-        assert worker.num_blocks_received == sum(-(-len(p) // 4) for p in prompts)
+        assert worker.num_blocks_received == sum(cdiv(len(p), 4) for p in prompts)
         assert_all_blocks_free(decode)
         first = {line["request_id"]: line["token_ids"] for line in prefill.finish()}
         assert [first[str(i)] for i in range(len(prompts))] == [r[:1] for r in reference]

@@ -20,6 +20,7 @@ from kvref.attention import (
     make_kv_cache,
     paged_attention,
 )
+from kvref.math_utils import cdiv
 
 from .driver import DEVICES, Run, chunk_of, nan_outside, window_of
 from .test_paged_attention import CONFIGS, mixed_run
@@ -77,7 +78,7 @@ def test_fast_path_grouped_query_heads(num_heads, num_kv_heads):
 
 def _random_batch(seed: int, query_lens: list[int], seq_lens: list[int], block_size: int = 4):
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-s // block_size) for s in seq_lens]
+    blocks = [cdiv(s, block_size) for s in seq_lens]
     num_blocks = sum(blocks) + 1
     cache = torch.randn(num_blocks, 2, block_size, 2, 8, generator=gen)
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -165,7 +166,7 @@ def test_whole_prompts_read_only_their_own_slots(query_lens):
     token): every slot past each prompt is NaN, and the answer is the reference's."""
     query, cache, batch = _random_batch(5, query_lens, list(query_lens))
     for r, n in enumerate(query_lens):
-        blocks = batch["block_table"][r, : -(-n // 4)].tolist()
+        blocks = batch["block_table"][r, :cdiv(n, 4)].tolist()
         last = blocks[-1]
         cache[last, :, n - (len(blocks) - 1) * 4:] = float("nan")   # the last block's tail
     cache[0] = float("nan")                                          # the null block
