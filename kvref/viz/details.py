@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.core.kv_cache_utils import get_block_hash, get_group_id
 from kvref.viz.player import TracePlayer
 from kvref.viz.pool import block_state
@@ -96,7 +97,7 @@ class RequestDetails:
         return out
 
 
-def holders_of(manager) -> dict[int, list[tuple[str, int]]]:
+def holders_of(manager: KVCacheManager) -> dict[int, list[tuple[str, int]]]:
     """block id -> the (request, group) pairs whose block tables hold it."""
     out: dict[int, list[tuple[str, int]]] = {}
     for g, stm in enumerate(manager.coordinator.single_type_managers):

@@ -23,6 +23,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from kvref.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+from kvref.request import Request
 from kvref.verify.trace_replay import TRACE_FORMAT, MalformedTrace, TraceReplayer
 
 
@@ -49,7 +50,7 @@ def read_trace(path: str) -> dict:
     return trace
 
 
-def check_trace_shape(trace, where: str = "trace") -> None:
+def check_trace_shape(trace: dict, where: str = 'trace') -> None:
     """The parts every reader relies on: format, header, a list of ops with names."""
     if not isinstance(trace, dict):
         raise TraceError(f"{where}: a kvtrace/1 trace is a JSON object, "
@@ -280,7 +281,7 @@ class TracePlayer:
         self._event_owner.update(stored_now)
         return [b for b, _, new in changes if new is not None]
 
-    def _remember_parents(self, req, newly_cached: list[int]) -> None:
+    def _remember_parents(self, req: Request, newly_cached: list[int]) -> None:
         """A block's parent is the hash before its own in the request that cached it."""
         if not newly_cached:
             return
