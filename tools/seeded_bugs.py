@@ -1,23 +1,37 @@
 #!/usr/bin/env python3
-"""Seeded bugs: does the stateful suite catch realistic mistakes?
+"""Seeded bugs: do the tests catch realistic mistakes?
 
-Each entry of ``CATALOGUE`` is a small, plausible bug written as a text edit of
-one kvref source file. For each bug the script copies the project to a
-temporary folder, applies the edit, runs ``pytest tests/stateful`` there (the
-state machines alone: no unit test, no recorded trace), and reports whether the
-suite failed ("killed") and which invariant id the failure names. A bug the
-suite survives is a hole in the checks. With ``--also-other-suites`` it then
-runs the rest of ``tests/`` (unit tests, conformance traces) on the same copy
-and reports whether they catch the bug too.
+Two catalogues of small, plausible bugs, each written as a text edit of one
+kvref source file. For each bug the script copies the project to a temporary
+folder, applies the edit, runs a suite there and reports whether it failed
+("killed") and what failed first. A bug a suite survives is a hole in the
+checks.
 
-    python tools/seeded_bugs.py                 # every bug, a table at the end
+- ``--catalogue core`` (the default, ``CATALOGUE``): the KV layer
+  (``kvref/core``, hashing), against ``tests/stateful`` alone (the state
+  machines: no unit test, no recorded trace); the report names the invariant
+  id the failure cites. With ``--also-other-suites`` it then runs the rest of
+  ``tests/`` on the same copy and reports whether they catch the bug too.
+- ``--catalogue tensor-engine`` (``TENSOR_ENGINE_CATALOGUE``): the tensor side
+  and the engine (``kvref/worker``, ``kvref/attention``, ``kvref/engine``),
+  against ``tests/tensor`` and ``tests/engine`` alone (no trace, no lesson),
+  the suite of the bug's own side first, fastest files first, stopping at the
+  first failure, with the Hypothesis profile "seeded" (the ci examples, no
+  shrinking); the report names the first failing test and its suite.
+
+    python tools/seeded_bugs.py                 # every core bug, a table at the end
     python tools/seeded_bugs.py -k hit-cap      # bugs whose id contains "hit-cap"
     python tools/seeded_bugs.py --list          # the catalogue only
     python tools/seeded_bugs.py -k mm- --also-other-suites
     python tools/seeded_bugs.py -k swa -- -k "not scheduler_paths"   # pytest arguments
+    python tools/seeded_bugs.py --catalogue tensor-engine -j 1       # the tensor/engine bugs
+    python tools/seeded_bugs.py --catalogue tensor-engine -k ngram- --list
 
 Exit status 0 only if every selected bug is killed. An edit whose text is not
-found exactly once in its file is an error: the catalogue must follow the code.
+found exactly once in its file is an error, reported before anything runs: the
+catalogue must follow the code, and a bug whose edit no longer applies never
+counts as survived or killed. A run that exceeds ``--timeout`` seconds is
+reported as TIMEOUT and counts as not killed.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ class SeededBug:
     path: str       # relative to the repository root
     old: str        # text that must occur exactly once in the file
     new: str
+    kind: str = ""  # tensor-engine catalogue: the blind spot it probes (KINDS)
 
 
 CATALOGUE: list[SeededBug] = [
@@ -317,15 +332,25 @@ CATALOGUE: list[SeededBug] = [
 ]
 
 INVARIANT_ID = re.compile(r"\bINV-[A-Z]+-\d+\b")
+FAILED_TEST = re.compile(r"^(?:FAILED|ERROR) (tests/\S+?)(?: - |$)", re.MULTILINE)
+
+# The tensor/engine suites, fastest and most pointed files first (a bug stops
+# at its first failure); files not named here run after these, in name order.
+TENSOR_FIRST = ["test_block_table.py", "test_batch_buffers.py", "test_paged_attention.py",
+                "test_fast_paged_attention.py", "test_cascade.py", "test_flashinfer.py",
+                "test_mamba_state.py", "test_properties.py"]
+ENGINE_FIRST = ["test_scheduler.py", "test_ngram_proposer.py", "test_engine_statistics.py",
+                "test_max_model_len.py", "test_model_parameters.py", "test_sampling.py"]
 
 
 @dataclass
 class Outcome:
     bug: SeededBug
-    killed: bool            # by tests/stateful alone
+    killed: bool            # by the catalogue's suite alone
     caught_by: str
     seconds: float
     others: bool | None = None   # unit/conformance tests also fail (None: not run)
+    suite: str = ""              # tensor-engine: "tensor" or "engine", the first failure's
 
 
 def check_applicable(bug: SeededBug, root: Path) -> str:
@@ -349,34 +374,60 @@ def _copy_project(dest: Path, with_traces: bool = False) -> None:
         *skip, *([] if with_traces else ["traces"])))
 
 
-def run_one(bug: SeededBug, pytest_args: list[str], also_other_suites: bool = False
-            ) -> Outcome:
+def _ordered_tests(root: Path, folder: str, first: list[str]) -> list[str]:
+    names = sorted(p.name for p in (root / "tests" / folder).glob("test_*.py"))
+    return [f"tests/{folder}/{n}" for n in [*(f for f in first if f in names),
+                                             *(n for n in names if n not in first)]]
+
+
+def tensor_engine_tests(bug: SeededBug, root: Path) -> list[str]:
+    """``tests/tensor`` and ``tests/engine``, the bug's own side first."""
+    tensor = _ordered_tests(root, "tensor", TENSOR_FIRST)
+    engine = _ordered_tests(root, "engine", ENGINE_FIRST)
+    return engine + tensor if bug.path.startswith("kvref/engine/") else tensor + engine
+
+
+def _run_pytest(args: list[str], copy: Path, timeout: float) -> tuple[int | None, str]:
+    """pytest in ``copy``: (exit status or None on timeout, its output)."""
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=copy, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        return None, out if isinstance(out, str) else out.decode(errors="replace")
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def run_one(bug: SeededBug, pytest_args: list[str], also_other_suites: bool = False,
+            catalogue: str = "core", timeout: float = 1800.0) -> Outcome:
     start = time.monotonic()
     others = None
     with tempfile.TemporaryDirectory(prefix=f"kvref-{bug.bug_id}-") as tmp:
         copy = Path(tmp) / "kvref"
-        _copy_project(copy, with_traces=also_other_suites)
+        _copy_project(copy, with_traces=also_other_suites or catalogue == "tensor-engine")
         apply(bug, copy)
-        env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "tests/stateful", "-x", "-q",
-             "-p", "no:cacheprovider", *pytest_args],
-            cwd=copy, env=env, capture_output=True, text=True)
+        if catalogue == "tensor-engine":
+            status, output = _run_pytest(
+                [*tensor_engine_tests(bug, copy), "-x", "-q", "-p", "no:cacheprovider",
+                 "--hypothesis-profile=seeded", *pytest_args], copy, timeout)
+            return _tensor_engine_outcome(bug, status, output, time.monotonic() - start)
+        status, output = _run_pytest(["tests/stateful", "-x", "-q", "-p", "no:cacheprovider",
+                                      *pytest_args], copy, timeout)
         if also_other_suites:
-            rest = subprocess.run(
-                [sys.executable, "-m", "pytest", "tests", "--ignore=tests/stateful", "-x",
-                 "-q", "-p", "no:cacheprovider"],
-                cwd=copy, env=env, capture_output=True, text=True)
-            others = rest.returncode != 0
-    output = proc.stdout + proc.stderr
-    killed = proc.returncode != 0
+            rest, _ = _run_pytest(["tests", "--ignore=tests/stateful", "-x", "-q",
+                                   "-p", "no:cacheprovider"], copy, timeout)
+            others = rest != 0
+    killed = status not in (0, None)
     # The failing assertion's own line ("E   AssertionError: INV-QUEUE-2: ...")
     # names the invariant; other ids in the output come from printed source.
     # Several distinct failures come as an exception group, each line behind "| ".
     error_lines = [line for line in output.splitlines()
                    if line.startswith("E ") or line.lstrip(" |").startswith("AssertionError")]
     ids = INVARIANT_ID.findall("\n".join(error_lines))
-    if ids:
+    if status is None:
+        caught_by = f"TIMEOUT after {timeout:.0f}s"
+    elif ids:
         caught_by = ids[0]
     elif killed:
         caught_by = error_lines[0].lstrip(" |E").strip()[:70] if error_lines else "test failure"
@@ -385,22 +436,48 @@ def run_one(bug: SeededBug, pytest_args: list[str], also_other_suites: bool = Fa
     return Outcome(bug, killed, caught_by, time.monotonic() - start, others)
 
 
+def _tensor_engine_outcome(bug: SeededBug, status: int | None, output: str,
+                           seconds: float) -> Outcome:
+    if status is None:
+        return Outcome(bug, False, "TIMEOUT (a hang is no kill: add a step guard)", seconds)
+    if status == 0:
+        return Outcome(bug, False, "-", seconds)
+    failed = FAILED_TEST.findall(output)
+    if status not in (1, 2) or not failed:
+        # 3 (internal error), 4 (usage), 5 (no tests): the run itself is broken.
+        raise SystemExit(f"seeded bug {bug.bug_id}: pytest exited {status} without a "
+                         f"failing test:\n{output[-3000:]}")
+    test = failed[0]
+    return Outcome(bug, True, test, seconds, suite=test.split("/")[1])
+
+
+CATALOGUES = {"core": lambda: CATALOGUE, "tensor-engine": lambda: TENSOR_ENGINE_CATALOGUE}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-k", dest="select", default="", help="only bug ids containing this")
+    parser.add_argument("--catalogue", choices=sorted(CATALOGUES), default="core",
+                        help="core: the KV layer against tests/stateful; tensor-engine: "
+                             "worker, attention and engine against tests/tensor+tests/engine")
     parser.add_argument("--list", action="store_true", help="print the catalogue and stop")
     parser.add_argument("-j", "--jobs", type=int, default=2, help="bugs run in parallel")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds one bug's run may take (TIMEOUT: not killed)")
     parser.add_argument("--also-other-suites", action="store_true",
-                        help="also run the unit and conformance tests on each bug "
-                             "and report whether they catch it too")
+                        help="core catalogue: also run the unit and conformance tests on "
+                             "each bug and report whether they catch it too")
     parser.add_argument("pytest_args", nargs="*",
                         help="extra pytest arguments, e.g. --hypothesis-profile=deep")
     args = parser.parse_args(argv)
-    bugs = [b for b in CATALOGUE if args.select in b.bug_id]
+    tensor_engine = args.catalogue == "tensor-engine"
+    if tensor_engine and args.also_other_suites:
+        parser.error("--also-other-suites is for the core catalogue")
+    bugs = [b for b in CATALOGUES[args.catalogue]() if args.select in b.bug_id]
     if args.list:
         for bug in bugs:
-            print(f"{bug.bug_id:24} {bug.path:42} {bug.description}")
+            print(f"{bug.bug_id:30} {bug.kind:14} {bug.path:40} {bug.description}")
         return 0
     # Fail fast on a stale catalogue before spending minutes on the runs.
     for bug in bugs:
@@ -412,9 +489,11 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
     outcomes: list[Outcome] = []
+    suite_name = ("tests/tensor + tests/engine" if tensor_engine else "the stateful suite")
     with Progress(console=console) as progress, ThreadPoolExecutor(args.jobs) as pool:
-        task = progress.add_task("running the stateful suite on each bug", total=len(bugs))
-        futures = [pool.submit(run_one, bug, args.pytest_args, args.also_other_suites)
+        task = progress.add_task(f"running {suite_name} on each bug", total=len(bugs))
+        futures = [pool.submit(run_one, bug, args.pytest_args, args.also_other_suites,
+                               args.catalogue, args.timeout)
                    for bug in bugs]
         for future in futures:
             outcome = future.result()
@@ -423,6 +502,23 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{'killed' if outcome.killed else 'SURVIVED'} "
                                    f"({outcome.caught_by}, {outcome.seconds:.0f}s)")
             progress.advance(task)
+
+    survived = [o.bug.bug_id for o in outcomes if not o.killed]
+    if tensor_engine:
+        table = Table(title="Seeded bugs against tests/tensor + tests/engine")
+        for column in ("bug", "kind", "file", "what it breaks", "verdict", "suite",
+                       "first failing test", "time"):
+            table.add_column(column)
+        for o in outcomes:
+            table.add_row(o.bug.bug_id, o.bug.kind, o.bug.path.removeprefix("kvref/"),
+                          o.bug.description,
+                          "[green]killed[/green]" if o.killed else "[red]SURVIVED[/red]",
+                          o.suite, o.caught_by, f"{o.seconds:.0f}s")
+        console.print(table)
+        console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed "
+                      "by tests/tensor and tests/engine alone (no trace, no lesson)"
+                      + (f"; survived: {', '.join(survived)}" if survived else ""))
+        return 1 if survived else 0
 
     table = Table(title="Seeded bugs against tests/stateful")
     columns = ["bug", "what it breaks", "stateful suite alone", "caught by"]
@@ -437,7 +533,6 @@ def main(argv: list[str] | None = None) -> int:
             row.append("yes" if o.others else "no")
         table.add_row(*row, f"{o.seconds:.0f}s")
     console.print(table)
-    survived = [o.bug.bug_id for o in outcomes if not o.killed]
     console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed "
                   "by the stateful suite alone (tests/stateful, no unit test or trace)"
                   + (f"; survived: {', '.join(survived)}" if survived else ""))
