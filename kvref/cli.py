@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-animate", action="store_true",
                       help="print every step without waiting (automatic when not a terminal)")
     demo.add_argument("--pause", type=float, metavar="S",
-                      help="wait S seconds between steps instead of for a key")
+                      help="in a terminal, wait S seconds between steps instead of for a key")
     demo.set_defaults(run=cmd_demo)
 
     viz = sub.add_parser("viz", help="step through a trace or a workload",

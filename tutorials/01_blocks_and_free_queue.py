@@ -32,6 +32,9 @@ from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheMa
                    init_none_hash, sha256)
 from kvref.kv_events import BlockRemoved
 from kvref.viz import render_pool
+from kvref.viz.html_player import Player
+from kvref.viz.player import TracePlayer
+from kvref.viz.workloads import record_workload
 
 from _lesson import claim, finish, section, show, start
 
@@ -222,6 +225,43 @@ claim(0 not in queue_ids(sw) and len(table) == 4,
 sw.free(r)
 claim(sw.block_pool.null_block.ref_cnt < 0,
       "after freeing r the null block's ref_cnt is negative: vLLM does not maintain it")
+
+# %% [markdown]
+# ## 8. A whole run, op by op
+#
+# Everything above, at once and under load: the `pressure` workload runs 8 long
+# requests through the engine's scheduler on a 24-block pool (the same
+# scheduler calls vLLM's makes). The player below is what
+# `kvref viz TRACE --export player.html` writes, shown inline: every op's state
+# was read from a real replay of the run. It opens at the first allocation that
+# evicts: watch the free queue (empty blocks at its head, cached `○` ones behind
+# them) and the cells the allocation takes from its head. Keys: `n`/`p` step,
+# `.`/`,` op (or the sliders), `c` colours the grid by request, hover a block for
+# its ref count, hash, holders and place in the queue.
+
+# %%
+section("8. The pressure workload, op by op")
+trace = record_workload("pressure")
+run = TracePlayer(trace)
+run.seek(len(run.ops))
+evicting = next(f for f in run.facts if f.evicted)
+run.seek(evicting.index)                        # the state just before that op
+queue_before = [b.block_id for b in run.manager.block_pool.free_block_queue.get_all_free_blocks()]
+new_blocks = [b for group in evicting.observed["ret"] for b in group]
+player = Player(trace, start_op=evicting.index)
+claim(len(player.data["frames"]) == len(trace["ops"]),
+      f"the page holds a state for every one of the {len(trace['ops'])} ops")
+claim(new_blocks == queue_before[:len(new_blocks)],
+      f"op {evicting.index} takes its new block(s) {new_blocks} from the head of the free queue")
+claim(set(evicting.evicted) <= set(new_blocks) and "evicts cached" in
+      player.data["ops"][evicting.index][2],
+      f"the cached ones among them ({', '.join(map(str, evicting.evicted))}) are evicted, "
+      "and the page says so")
+show(f"`Player(trace)` in a notebook shows the page; here: kvref record --workload pressure "
+     f"-o p.json && kvref viz p.json --op {evicting.index} --export player.html")
+
+# %%
+player
 
 # %%
 finish()

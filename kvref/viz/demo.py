@@ -5,8 +5,8 @@ read an earlier one; nothing is redrawn over it or cut to fit): first the
 pictures (grid, free queue, block tables, prefix tree, figures), then the
 step's ops and its narration, right above the prompt, so what to read is where
 the eyes are when the demo waits. Between steps it waits for a key in a
-terminal (``q`` stops), or ``pause`` seconds, or not at all when the output is
-not a terminal (a pipe, CI)::
+terminal (``q`` stops), or ``pause`` seconds; when the output is not a terminal
+(a pipe, CI) it does not wait at all::
 
     run_demo(console, TracePlayer(trace), wait=terminal_waiter(pause=None))
 """
@@ -67,14 +67,17 @@ def read_key(prompt: Callable[[], None] = lambda: None) -> str:
 
 def terminal_waiter(console: Console, pause: float | None,
                     key: Callable[[Callable[[], None]], str] = read_key) -> Waiter | None:
-    """How to wait between steps: ``pause`` seconds if given; else a key press when
-    both ends are a terminal; else (a pipe, CI) not at all (``None``)."""
+    """How to wait between steps when the output is a terminal: ``pause`` seconds if
+    given, else a key press (if the input is a terminal too). Into a pipe or a file
+    (CI), not at all: ``None``."""
+    if not console.is_terminal:
+        return None
     if pause is not None:
         def sleep(_prompt: str) -> bool:
             time.sleep(pause)
             return True
         return sleep
-    if not (console.is_terminal and sys.stdin.isatty()):
+    if not sys.stdin.isatty():
         return None
 
     def wait(prompt: str) -> bool:

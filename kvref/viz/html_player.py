@@ -181,9 +181,10 @@ def _asset(name: str) -> str:
     return resources.files("kvref.viz").joinpath("assets", name).read_text(encoding="utf-8")
 
 
-def render_html(trace: dict, start_op: int | None = None) -> str:
-    """The page, as a string. ``start_op``: where it opens (default: the end of step 0)."""
-    data = player_data(trace)
+def render_html(trace: dict, start_op: int | None = None, data: dict | None = None) -> str:
+    """The page, as a string. ``start_op``: where it opens (default: the end of step 0);
+    ``data``: ``player_data(trace)`` if already made."""
+    data = dict(player_data(trace) if data is None else data)
     if start_op is None:
         start_op = data["steps"][0][1] - 1 if data["steps"] else 0
     if data["ops"] and not 0 <= start_op < len(data["ops"]):
@@ -219,7 +220,8 @@ class Player:
     """
 
     def __init__(self, trace: dict, start_op: int | None = None, height: int = 860) -> None:
-        self.html = render_html(trace, start_op)
+        self.data = player_data(trace)          # what the page shows, op by op
+        self.html = render_html(trace, start_op, self.data)
         self.height = height
 
     def _repr_html_(self) -> str:

@@ -204,3 +204,31 @@ def test_the_checks_would_see_an_error_and_a_request(browser, tmp_path):
     browser.get(page.as_uri())
     assert any("boom" in m for m in console_errors(browser))
     assert ("http://127.0.0.1:9/x.png", page.as_uri()) in requested_urls(browser)
+
+
+def test_the_notebook_player_runs_inside_its_iframe(browser, tmp_path):
+    """What a notebook shows for ``Player(trace)``: the page in a sandboxed iframe,
+    its script running there, its keys moving it."""
+    from selenium.webdriver.common.by import By
+
+    from kvref.viz.html_player import Player
+
+    trace = read_trace(TRACES / "kvref-sliding-window.json.gz")
+    page = tmp_path / "notebook.html"
+    page.write_text("<!DOCTYPE html><html><body><div class='output'>"
+                    + Player(trace, start_op=10)._repr_html_() + "</div></body></html>")
+    requested_urls(browser)
+    browser.get(page.as_uri())
+    browser.switch_to.frame(browser.find_element(By.TAG_NAME, "iframe"))
+    try:
+        reference = TracePlayer(trace)
+        assert_shows_the_manager(browser, reference, 10)
+        # As in a notebook: click into the player, then type.
+        from selenium.webdriver.common.action_chains import ActionChains
+        ActionChains(browser).click(browser.find_element(By.ID, "narration")).send_keys("n") \
+            .perform()
+        assert_shows_the_manager(browser, reference,
+                                 reference.steps[reference.step_of(10) + 1][1] - 1)
+    finally:
+        browser.switch_to.default_content()
+    assert console_errors(browser) == []

@@ -61,8 +61,9 @@ def test_how_it_waits_pause_key_or_not_at_all(monkeypatch):
     monkeypatch.setattr(time, "sleep", slept.append)
     console = Console(file=io.StringIO(), force_terminal=True)
     assert terminal_waiter(console, 0.5)("x") is True and slept == [0.5]
-    # A pipe: no waiting whatever stdin is.
+    # A pipe: no waiting whatever stdin is, not even a pause.
     assert terminal_waiter(Console(file=io.StringIO()), None) is None
+    assert terminal_waiter(Console(file=io.StringIO()), 0.5) is None
 
 
 def _pty_demo(*args):
