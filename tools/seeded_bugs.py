@@ -331,6 +331,275 @@ CATALOGUE: list[SeededBug] = [
               ""),
 ]
 
+# -- The tensor side and the engine (--catalogue tensor-engine) ------------------------
+# Each bug is a mistake a reimplementer of kvref/worker, kvref/attention or
+# kvref/engine could plausibly make; "kind" says which blind spot of the tests it
+# probes (issue 24): most are invisible to models with regular weights, to
+# batches that never shrink, to runs that stay clear of max_model_len, or to a
+# component checked only against itself.
+
+KINDS = {
+    "weights": "invisible with regular weights (norms at one, biases at zero, tied heads)",
+    "edges": "only at max_model_len or at a size that is not a multiple of the block size",
+    "buffers": "a persistent buffer keeps a previous, longer step's or row's tail",
+    "vllm-rule": "a component that agrees with itself but not with vLLM's rule",
+    "every-chunk": "a scheduler limit kept on the first chunk only",
+    "kernel": "a plain mistake in a mask, a head mapping, a merge or a page table",
+    "engine": "a plain mistake in the runner, the model or the scheduler",
+}
+
+TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
+    # -- worker: block tables and slot mapping --------------------------------------
+    SeededBug("slot-buffer-stale-tail",
+              "the slot-mapping buffer is not reset, so a shorter step leaves the "
+              "previous step's slots in its tail",
+              "kvref/worker/block_table.py",
+              "        self.slot_mapping.fill_(PAD_SLOT_ID)\n",
+              "", kind="buffers"),
+    SeededBug("block-table-floor-width",
+              "rows hold max_model_len // block_size blocks, not cdiv",
+              "kvref/worker/block_table.py",
+              "max_num_blocks = [cdiv(max_model_len, bs) for bs in block_sizes]",
+              "max_num_blocks = [max_model_len // bs for bs in block_sizes]", kind="edges"),
+    SeededBug("clear-row-keeps-count",
+              "clear_row zeroes the row but keeps its block count",
+              "kvref/worker/block_table.py",
+              "        self.block_table[row_idx, :self.num_blocks_per_row[row_idx]] = 0\n"
+              "        self.num_blocks_per_row[row_idx] = 0\n",
+              "        self.block_table[row_idx, :self.num_blocks_per_row[row_idx]] = 0\n",
+              kind="buffers"),
+    SeededBug("move-row-keeps-target-count",
+              "move_row copies the blocks but leaves the target row's old block count",
+              "kvref/worker/block_table.py",
+              "        self.num_blocks_per_row[tgt] = n\n", "", kind="buffers"),
+    SeededBug("slot-offset-manager-block",
+              "with split kernel blocks, the slot offset is taken modulo the manager's "
+              "block size",
+              "kvref/worker/block_table.py",
+              "                     + p % self.block_size)",
+              "                     + p % self.kv_manager_block_size)", kind="edges"),
+    SeededBug("kernel-blocks-interleaved",
+              "a manager block b splits into kernel blocks b, b + k, ... instead of "
+              "b*k .. b*k + k - 1",
+              "kvref/worker/block_table.py",
+              "return [int(b) * k + j for b in kv_manager_block_ids for j in range(k)]",
+              "return [int(b) + j * k for b in kv_manager_block_ids for j in range(k)]",
+              kind="kernel"),
+    # -- attention: masks, grouped heads, cascade, FlashInfer, Mamba ------------------
+    SeededBug("window-mask-one-wider",
+              "the sliding-window mask lets a query see W + 1 keys",
+              "kvref/attention/paged_attention.py",
+              "        mask = mask & (k >= q - sliding_window + 1)",
+              "        mask = mask & (k >= q - sliding_window)", kind="kernel"),
+    SeededBug("chunk-mask-as-window",
+              "chunked-local attention masked as a sliding window of the chunk size",
+              "kvref/attention/paged_attention.py",
+              "        mask = mask & (k // attention_chunk_size == q // attention_chunk_size)",
+              "        mask = mask & (q - k < attention_chunk_size)", kind="kernel"),
+    SeededBug("gqa-heads-interleaved",
+              "reference attention: query head h reads KV head h % num_kv_heads, "
+              "not h // group",
+              "kvref/attention/paged_attention.py",
+              "    q = query.to(work).reshape(num_q, num_kv_heads, group, head_size)",
+              "    q = query.to(work).reshape(num_q, group, num_kv_heads, head_size)"
+              ".transpose(1, 2)", kind="kernel"),
+    SeededBug("fast-gqa-decode-interleaved",
+              "fast path: a decode's query heads are folded onto KV heads h % num_kv_heads",
+              "kvref/attention/fast_paged_attention.py",
+              "        q = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)",
+              "        q = q.view(num_reqs, num_heads // num_kv_heads, num_kv_heads, head_size)"
+              ".transpose(1, 2)", kind="kernel"),
+    SeededBug("fast-unseen-slots-kept",
+              "fast path: gathered slots no query may see are not zeroed (a NaN there "
+              "reaches the output)",
+              "kvref/attention/fast_paged_attention.py",
+              "    if batch.unseen is not None:\n",
+              "    if False:\n", kind="buffers"),
+    SeededBug("fast-repeated-block-visible",
+              "fast path: key positions follow the clamped columns, so a shorter "
+              "request's repeated last block is attended twice",
+              "kvref/attention/fast_paged_attention.py",
+              "    k_pos = first_t[:, None] * block_size + torch.arange(num_keys, device=device)"
+              "  # [R, K]",
+              "    k_pos = (cols[:, :, None] * block_size\n"
+              "             + torch.arange(block_size, device=device)).reshape(num_reqs, -1)",
+              kind="buffers"),
+    SeededBug("fast-decode-unmasked",
+              "fast path: a decode batch is run without its mask",
+              "kvref/attention/fast_paged_attention.py",
+              "attn_mask=None if seen_all and q_len == 1 else mask[:, None])",
+              "attn_mask=None if q_len == 1 else mask[:, None])", kind="kernel"),
+    SeededBug("cascade-prefix-not-capped",
+              "the cascade prefix is not capped by the batch's least context length",
+              "kvref/attention/cascade.py",
+              "    common = min(common, min(num_computed_tokens))\n", "", kind="kernel"),
+    SeededBug("cascade-merge-by-max",
+              "the log-sum-exp merge keeps the larger side's lse instead of adding them",
+              "kvref/attention/cascade.py",
+              "    lse = torch.logaddexp(prefix_lse.float(), suffix_lse.float())",
+              "    lse = torch.maximum(prefix_lse.float(), suffix_lse.float())", kind="kernel"),
+    SeededBug("flashinfer-window-left-off-by-one",
+              "FlashInfer's window_left read as the window itself (vLLM passes W - 1)",
+              "kvref/attention/flashinfer.py",
+              "    window = None if window_left < 0 else window_left + 1",
+              "    window = None if window_left < 0 else window_left", kind="kernel"),
+    SeededBug("flashinfer-full-last-page-zero",
+              "a full last page gets kv_last_page_len 0 instead of the page size",
+              "kvref/attention/flashinfer.py",
+              "        last.append((seq_len - 1) % block_size + 1)",
+              "        last.append(seq_len % block_size)", kind="edges"),
+    SeededBug("mamba-reads-next-block",
+              "a Mamba step reads its state from table[context_len // B], not "
+              "(context_len - 1) // B",
+              "kvref/attention/mamba_state.py",
+              "            h = state_cache[table[(context_len - 1) // block_size]].clone()",
+              "            h = state_cache[table[context_len // block_size]].clone()",
+              kind="edges"),
+    SeededBug("mamba-align-writes-boundaries",
+              "align mode also writes every block-boundary state (mode all's rule)",
+              "kvref/attention/mamba_state.py",
+              '            if mamba_cache_mode == "all" and num_done % block_size == 0:',
+              "            if num_done % block_size == 0:", kind="kernel"),
+    # -- engine: model ------------------------------------------------------------------
+    SeededBug("qk-norm-shared",
+              "Qwen3's keys are normalised with the query norm's weights",
+              "kvref/engine/model.py",
+              "            q, k = self.q_norm(q), self.k_norm(k)",
+              "            q, k = self.q_norm(q), self.q_norm(k)", kind="weights"),
+    SeededBug("mlp-reads-input-norm",
+              "the MLP reads the input layernorm instead of the post-attention one",
+              "kvref/engine/model.py",
+              "        return hidden + self.mlp(self.post_attention_layernorm(hidden))",
+              "        return hidden + self.mlp(self.input_layernorm(hidden))", kind="weights"),
+    SeededBug("rmsnorm-weight-before-normalising",
+              "RMSNorm scales by its weight before normalising (the weight cancels out)",
+              "kvref/engine/model.py",
+              "        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)\n"
+              "        return self.weight * x32.to(x.dtype)",
+              "        x32 = self.weight.float() * x32\n"
+              "        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)\n"
+              "        return x32.to(x.dtype)", kind="weights"),
+    SeededBug("mlp-bias-ignored",
+              "Llama's mlp_bias is not read from the config",
+              "kvref/engine/model.py",
+              'mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),',
+              "mlp_bias=False,", kind="weights"),
+    SeededBug("tied-head-not-tied",
+              "tie_word_embeddings leaves lm_head at its random initial weights",
+              "kvref/engine/model.py",
+              "            self.lm_head.weight = self.embed_tokens.weight\n",
+              "            pass\n", kind="weights"),
+    SeededBug("rope-interleaved-pairs",
+              "rotary embedding rotates interleaved pairs (GPT-J) instead of halves",
+              "kvref/engine/model.py",
+              "    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)",
+              "    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)",
+              kind="engine"),
+    # -- engine: runner -----------------------------------------------------------------
+    SeededBug("runner-resume-keeps-no-blocks",
+              "a resumed request is treated as running: its new table is appended to "
+              "the empty one",
+              "kvref/engine/gpu_input_batch.py",
+              "            if req_id in cached.resumed_req_ids:",
+              "            if False:", kind="engine"),
+    SeededBug("logits-row-one-early",
+              "the sampled logits are taken one row before each request's last token",
+              "kvref/engine/model_runner.py",
+              "logits_indices.extend(range(end - len(draft) - 1, end))",
+              "logits_indices.extend(range(end - len(draft) - 2, end - 1))", kind="engine"),
+    SeededBug("sampler-multiplies-temperature",
+              "sampling multiplies the logits by the temperature instead of dividing",
+              "kvref/engine/model_runner.py",
+              "probs = torch.softmax(logits / params.temperature, dim=-1)",
+              "probs = torch.softmax(logits * params.temperature, dim=-1)", kind="engine"),
+    SeededBug("seq-len-without-context",
+              "a request's seq_len is its query length (the context is not attended)",
+              "kvref/engine/model_runner.py",
+              "            seq_lens.append(start + n)",
+              "            seq_lens.append(n)", kind="engine"),
+    # -- engine: scheduler --------------------------------------------------------------
+    SeededBug("threshold-first-chunk-only",
+              "long_prefill_token_threshold caps a request when admitted, not its later "
+              "chunks",
+              "kvref/engine/scheduler.py",
+              "            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens\n"
+              "            if 0 < self.long_prefill_token_threshold < num_new_tokens:\n"
+              "                num_new_tokens = self.long_prefill_token_threshold\n",
+              "            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens\n",
+              kind="every-chunk"),
+    SeededBug("max-model-len-cap-off-by-one",
+              "a running request may be scheduled up to position max_model_len "
+              "(drafts reach past the last position)",
+              "kvref/engine/scheduler.py",
+              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
+              "                                 self.max_model_len - request.num_computed_tokens)",
+              kind="edges"),
+    SeededBug("max-num-seqs-off-by-one",
+              "one request more than max_num_seqs may run",
+              "kvref/engine/scheduler.py",
+              "                if len(self.running) == self.max_num_running_reqs:",
+              "                if len(self.running) > self.max_num_running_reqs:",
+              kind="every-chunk"),
+    SeededBug("running-budget-uncapped",
+              "a running request's chunk is not cut to the remaining token budget",
+              "kvref/engine/scheduler.py",
+              "            num_new_tokens = min(num_new_tokens, token_budget,\n"
+              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
+              "            num_new_tokens = min(num_new_tokens,\n"
+              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
+              kind="every-chunk"),
+    SeededBug("drafts-not-cut-to-budget",
+              "the whole draft is scheduled although the budget cut the step",
+              "kvref/engine/scheduler.py",
+              "request.spec_token_ids[:num_spec]", "request.spec_token_ids",
+              kind="every-chunk"),
+    SeededBug("victim-oldest",
+              "a full pool preempts the oldest running request, not the last admitted",
+              "kvref/engine/scheduler.py",
+              "                victim = self.running.pop()",
+              "                victim = self.running.pop(0)", kind="engine"),
+    SeededBug("stop-one-past-max-model-len",
+              "check_stop lets a request reach max_model_len + 1 tokens",
+              "kvref/engine/request.py",
+              "if request.num_tokens >= max_model_len or",
+              "if request.num_tokens > max_model_len or", kind="edges"),
+    # -- engine: statistics -------------------------------------------------------------
+    SeededBug("num-cached-overwritten-on-resume",
+              "num_cached_tokens is overwritten by a resume after the first token",
+              "kvref/engine/scheduler.py",
+              "                if not request.output_token_ids:\n"
+              "                    request.num_cached_tokens = num_computed_tokens\n",
+              "                request.num_cached_tokens = num_computed_tokens\n",
+              kind="vllm-rule"),
+    SeededBug("cached-stat-counts-outputs",
+              "prompt_tokens_cached counts a resumed request's cached output tokens too",
+              "kvref/engine/scheduler.py",
+              "min(num_hit, request.num_prompt_tokens)", "num_hit", kind="vllm-rule"),
+    # -- engine: n-gram proposer --------------------------------------------------------
+    SeededBug("ngram-latest-copy",
+              "the draft follows the latest earlier copy of the suffix, not the earliest",
+              "kvref/engine/ngram_proposer.py",
+              "            for start in range(0, total - n):",
+              "            for start in reversed(range(0, total - n)):", kind="vllm-rule"),
+    SeededBug("ngram-shortest-first",
+              "the shortest matching n-gram wins, not the longest",
+              "kvref/engine/ngram_proposer.py",
+              "        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):",
+              "        for n in range(self.min_n, min(self.max_n, total - 1) + 1):",
+              kind="vllm-rule"),
+    SeededBug("ngram-no-overlap",
+              "an earlier copy may not overlap the suffix itself",
+              "kvref/engine/ngram_proposer.py",
+              "            for start in range(0, total - n):",
+              "            for start in range(0, total - 2 * n + 1):", kind="vllm-rule"),
+    SeededBug("ngram-ignores-max-model-len",
+              "drafts are not cut at max_model_len (the scheduler's cap hides it)",
+              "kvref/engine/ngram_proposer.py",
+              "        k = min(self.k, self.max_model_len - total)",
+              "        k = self.k", kind="edges"),
+]
+
+
 INVARIANT_ID = re.compile(r"\bINV-[A-Z]+-\d+\b")
 FAILED_TEST = re.compile(r"^(?:FAILED|ERROR) (tests/\S+?)(?: - |$)", re.MULTILINE)
 
@@ -451,6 +720,20 @@ def _tensor_engine_outcome(bug: SeededBug, status: int | None, output: str,
     return Outcome(bug, True, test, seconds, suite=test.split("/")[1])
 
 
+def write_markdown(path: Path, outcomes: list[Outcome]) -> None:
+    """The kill table as markdown: one row per bug, what it breaks and what failed first."""
+    lines = ["| bug | kind | file | what it breaks | killed by (first failing test) | time |",
+             "|---|---|---|---|---|---|"]
+    for o in outcomes:
+        verdict = f"`{o.caught_by}`" if o.killed else f"**SURVIVED** ({o.caught_by})"
+        lines.append(f"| `{o.bug.bug_id}` | {o.bug.kind} | `{o.bug.path.removeprefix('kvref/')}`"
+                     f" | {o.bug.description} | {verdict} | {o.seconds:.0f}s |")
+    killed = sum(o.killed for o in outcomes)
+    lines.append("")
+    lines.append(f"{killed} of {len(outcomes)} killed by tests/tensor and tests/engine alone.")
+    path.write_text("\n".join(lines) + "\n")
+
+
 CATALOGUES = {"core": lambda: CATALOGUE, "tensor-engine": lambda: TENSOR_ENGINE_CATALOGUE}
 
 
@@ -468,6 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--also-other-suites", action="store_true",
                         help="core catalogue: also run the unit and conformance tests on "
                              "each bug and report whether they catch it too")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="tensor-engine catalogue: also write the kill table there")
     parser.add_argument("pytest_args", nargs="*",
                         help="extra pytest arguments, e.g. --hypothesis-profile=deep")
     args = parser.parse_args(argv)
@@ -505,16 +790,17 @@ def main(argv: list[str] | None = None) -> int:
 
     survived = [o.bug.bug_id for o in outcomes if not o.killed]
     if tensor_engine:
-        table = Table(title="Seeded bugs against tests/tensor + tests/engine")
-        for column in ("bug", "kind", "file", "what it breaks", "verdict", "suite",
-                       "first failing test", "time"):
+        table = Table(title="Seeded bugs against tests/tensor + tests/engine "
+                            "(descriptions: --list)")
+        for column in ("bug", "kind", "verdict", "first failing test", "time"):
             table.add_column(column)
         for o in outcomes:
-            table.add_row(o.bug.bug_id, o.bug.kind, o.bug.path.removeprefix("kvref/"),
-                          o.bug.description,
+            table.add_row(o.bug.bug_id, o.bug.kind,
                           "[green]killed[/green]" if o.killed else "[red]SURVIVED[/red]",
-                          o.suite, o.caught_by, f"{o.seconds:.0f}s")
+                          o.caught_by, f"{o.seconds:.0f}s")
         console.print(table)
+        if args.markdown:
+            write_markdown(args.markdown, outcomes)
         console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed "
                       "by tests/tensor and tests/engine alone (no trace, no lesson)"
                       + (f"; survived: {', '.join(survived)}" if survived else ""))
