@@ -1,7 +1,7 @@
 """The ``kvref`` command line.
 
-    kvref demo [--workload W] [--steps N] [--no-animate]   watch the cache work, narrated
-    kvref viz TRACE | --workload W [--export F.svg|F.html]  step through a trace
+    kvref demo [--workload W] [--steps N] [--pause S]      watch the cache work, narrated
+    kvref viz TRACE | --workload W [--export F.svg|F.html]  step through a trace (full screen)
     kvref record --workload W -o FILE                       write a kvtrace/1 trace
     kvref explain TRACE --op N                              why op N did what it did
     kvref replay PATH...                                    replay traces, compare with vLLM's

@@ -75,7 +75,8 @@ def browser_shot(name: str) -> None:
         driver.get(page.as_uri())
         body = driver.find_element(By.TAG_NAME, "body")
         body.send_keys(*"n" * 17, "c")
-        held = driver.find_elements(By.CSS_SELECTOR, "#grid .cell.s-used_cached, #grid .cell.s-used")
+        held = driver.find_elements(By.CSS_SELECTOR,
+                                    "#grid .cell.s-used_cached, #grid .cell.s-used")
         cell = max(held, key=lambda c: int(c.get_attribute("data-ref")))
         ActionChains(driver).move_to_element(cell).perform()
         driver.save_screenshot(str(DOCS / f"{name}.png"))

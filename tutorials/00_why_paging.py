@@ -40,15 +40,18 @@ import random
 import statistics
 from collections import deque
 
+import sys
+
 import matplotlib
 
-matplotlib.use("Agg")  # files only: the lesson runs without a display
+if "ipykernel" not in sys.modules:
+    matplotlib.use("Agg")  # a script writes files only; a notebook shows the figure inline
 import matplotlib.pyplot as plt  # noqa: E402
 
 from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,  # noqa: E402
                    KVCacheManager, Request, RequestStatus)
 
-from _lesson import claim, figure_path, finish, section, show, start  # noqa: E402
+from _lesson import claim, finish, save_figure, section, show, start  # noqa: E402
 
 args = start("Why paging")
 MAX_MODEL_LEN = 2048          # the context of the OPT models the paper served
@@ -292,9 +295,7 @@ ax_batch.set_ylabel("running requests")
 ax_batch.legend(fontsize=8)
 fig.suptitle(f"{NUM_REQUESTS} requests, {POOL_TOKENS} token slots, max_model_len {MAX_MODEL_LEN}")
 fig.tight_layout()
-png = figure_path(args, "00_why_paging.png")
-fig.savefig(png, dpi=110)
-plt.close(fig)
+png = save_figure(args, fig, "00_why_paging.png")      # shown inline in a notebook
 show(f"figure: {png}")
 claim(png.stat().st_size > 10_000, "the figure was written")
 

@@ -27,7 +27,9 @@
 #
 # Then section 4: with a full-attention + Mamba model the drop goes wrong in
 # vLLM 0.25.1, and kvref, which answers as vLLM does, goes wrong the same way.
-# The lesson follows it into the tensors.
+# The lesson follows it into the tensors. Section 5 turns to async scheduling
+# (vLLM's default on GPUs), where the scheduler runs a step ahead of the model
+# and schedules placeholders for the tokens and drafts it cannot know yet.
 
 # %%
 import torch
@@ -37,7 +39,9 @@ from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheMa
                    MambaManager, MambaSpec, Request, RequestStatus, get_request_block_hasher,
                    init_none_hash, sha256)
 from kvref.attention import default_scale, make_kv_cache, paged_attention, write_kv
-from kvref.engine import LLM, SamplingParams
+from kvref.engine import (LLM, AsyncScheduler, ModelFreeRunner, NgramProposer, SamplingParams,
+                          Scheduler)
+from kvref.engine.core import make_engine_core
 from kvref.verify.invariants import InvariantViolation, check, check_prefix_hit
 from kvref.viz import render_pool
 from kvref.worker import BlockTable
@@ -384,6 +388,149 @@ claim(violation_c is not None and violation_c.invariant == "INV-HIT-2",
 claim(bool(torch.isnan(out_c).all())
       and not bool(torch.isnan(dense(c.all_token_ids, 12, 15)).any()),
       "c's attention output is NaN, where computing from scratch gives finite values")
+
+# %% [markdown]
+# ## 5. Async scheduling: the scheduler one step ahead
+#
+# On GPUs vLLM 0.25.1 schedules asynchronously by default
+# (`vllm/v1/core/sched/async_scheduler.py`, `EngineCore.step_with_batch_queue`):
+# while the model runs step N, the scheduler already plans step N+1, so the
+# GPU never waits for the CPU. The scheduler then cannot know the token step
+# N will sample. It counts it as an **output placeholder**, and the KV layer
+# sees three things it never sees otherwise:
+#
+# 1. `allocate_slots` for the next decode is called *before* the previous
+#    token exists: `num_computed_tokens` already counts the slot of the token
+#    in flight (`num_tokens` does not);
+# 2. when a step's tokens arrive, `cache_blocks` caches only up to
+#    `num_computed_tokens - num_output_placeholders`: not the positions of
+#    the steps still in flight, even where their token ids are known, so a
+#    block can be cached a step later than in the synchronous loop;
+# 3. with drafts, the scheduler schedules `k` placeholder drafts (`-1`) and
+#    the runner puts its own drafts in their place (section 2's roll-back then
+#    also takes rejected drafts off the placeholders).
+#
+# Below, one request (6 prompt tokens, block size 4, 5 tokens to generate) on
+# the model-free engine, with the synchronous and the asynchronous loop. Each
+# row is one call into the scheduler: `schedule` (what it asked of
+# `allocate_slots`) or `update` (a step's tokens coming back).
+
+# %%
+section("5. What the KV layer sees under async scheduling")
+
+
+def async_rows(async_scheduling, k=0):
+    """Run one request; one row per scheduler call (schedule / update)."""
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    manager = KVCacheManager(KVCacheConfig(24, [KVCacheGroupSpec(["l0"], FullAttentionSpec(4))]),
+                             max_model_len=64, scheduler_block_size=4, hash_block_size=4)
+    scheduler = cls(manager, max_num_batched_tokens=16, num_speculative_tokens=k)
+    runner = ModelFreeRunner(96, drafter=NgramProposer(1, 2, k, 64) if k else None,
+                             async_scheduling=async_scheduling)
+    core = make_engine_core(scheduler, runner)
+    req = scheduler.new_request("a", [3, 1, 4, 1, 5, 9],
+                                SamplingParams(max_tokens=5, ignore_eos=True))
+    rows, outputs = [], []
+    schedule, update = scheduler.schedule, scheduler.update_from_output
+
+    def step_of(out):
+        return next(i for i, o in enumerate(outputs) if o is out)
+
+    def row(what, drafts=""):
+        hashed = 0 if req.is_finished() else sum(
+            b.block_hash is not None for b in manager.get_blocks("a").blocks[0])
+        rows.append((what, drafts, req.num_computed_tokens, req.num_output_placeholders,
+                     req.num_tokens, hashed))
+
+    def logged_schedule():
+        out = schedule()
+        outputs.append(out)
+        n = out.num_scheduled_tokens.get("a", 0)
+        row(f"schedule step {step_of(out)}: {n} token(s)" if n else
+            f"schedule step {step_of(out)}: nothing",
+            str(out.scheduled_spec_decode_tokens.get("a", "")))
+        return out
+
+    def logged_update(out, model_output):
+        finished = update(out, model_output)
+        row(f"update step {step_of(out)}" + (": finished" if finished else ""))
+        return finished
+    scheduler.schedule, scheduler.update_from_output = logged_schedule, logged_update
+    while core.has_work():
+        core.step()
+        manager.check_valid()
+    core.shutdown()
+    return rows, req, runner
+
+
+def rows_table(rows):
+    table = Table("call", "drafts scheduled", "num_computed_tokens", "placeholders",
+                  "num_tokens", "blocks cached", box=None, header_style="bold")
+    for r in rows:
+        table.add_row(*map(str, r))
+    return table
+
+
+sync_rows, sync_req, _ = async_rows(False)
+async_rows_, async_req, runner5 = async_rows(True)
+show("synchronous:")
+show(rows_table(sync_rows))
+show("asynchronous:")
+show(rows_table(async_rows_))
+calls = [r[0].split(":")[0] for r in async_rows_]
+claim(calls[:4] == ["schedule step 0", "schedule step 1", "update step 0", "schedule step 2"],
+      "async: step 1 is scheduled before step 0's token is back")
+claim(async_rows_[1][2:5] == (7, 2, 6),
+      "when step 1 is planned, num_computed_tokens is 7 (the prompt and the token in "
+      "flight) while the request still has 6 tokens")
+
+
+def first_cached(rows, num_blocks):
+    return next(r[0].split(":")[0] for r in rows if r[5] == num_blocks)
+
+
+update_1 = next(r for r in async_rows_ if r[0].startswith("update step 1"))
+claim(first_cached(sync_rows, 2) == "schedule step 2"
+      and first_cached(async_rows_, 2) == "schedule step 3" and update_1[2:5] == (8, 1, 8),
+      "block 1 (tokens 4-7) is cached when step 2 is planned in the synchronous loop, a "
+      "step later in the asynchronous one: when token 7 arrives, 8 computed - 1 "
+      "placeholder = 7 tokens have their KV written, so the block waits")
+num_scheduled = sum(1 for r in async_rows_ if r[0].startswith("schedule") and "token" in r[0])
+claim(num_scheduled == 5,
+      "5 steps with tokens: the step that would make a 6th token is never scheduled "
+      "(its in-flight steps already reach max_tokens)")
+claim(async_req.output_token_ids == sync_req.output_token_ids
+      == runner5.reference_output([3, 1, 4, 1, 5, 9], 5),
+      "both loops generate the same 5 tokens")
+
+# %% [markdown]
+# With two drafts a step, the async scheduler schedules `[-1, -1]` after every
+# decode: it cannot know the drafts, which the runner computes from the token
+# it is sampling right now. The runner fills them in; the rejected ones come
+# off both `num_computed_tokens` and the placeholders when the step returns.
+# A real model, asynchronously scheduled, with and without drafts, generates
+# exactly section 2b's tokens.
+
+# %%
+spec_rows, spec_req, spec_runner = async_rows(True, k=2)
+show(rows_table(spec_rows[:6]))
+claim(all(r[1] in ("", "[-1, -1]") for r in spec_rows) and any(r[1] == "[-1, -1]"
+                                                               for r in spec_rows),
+      "the async scheduler schedules only -1 placeholders for drafts")
+claim(spec_req.output_token_ids == sync_req.output_token_ids, "the tokens do not change")
+async_plain = LLM(model, block_size=B, num_gpu_blocks=64, max_model_len=64, device=args.device,
+                  async_scheduling=True)
+async_spec = LLM(model, block_size=B, num_gpu_blocks=64, max_model_len=64, device=args.device,
+                 async_scheduling=True,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+for engine in (async_plain, async_spec):
+    engine.after_step.append(lambda e: e.kv_cache_manager.check_valid())
+got_plain = [o.outputs[0].token_ids for o in async_plain.generate(prompts, params)]
+got_spec = [o.outputs[0].token_ids for o in async_spec.generate(prompts, params)]
+claim(got_plain == expected and got_spec == expected,
+      "LLM(async_scheduling=True), with n-gram drafts or without, generates section "
+      "2b's 80 tokens")
 
 # %%
 finish()

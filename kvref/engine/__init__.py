@@ -2,8 +2,10 @@
 
     kvref/engine/         vllm/
     llm.py                entrypoints/llm.py                 LLM, RequestOutput
-    core.py               v1/engine/core.py                  EngineCore.step: the step loop
+    core.py               v1/engine/core.py                  EngineCore.step: the step loop;
+                                                             AsyncEngineCore (batch queue)
     scheduler.py          v1/core/sched/scheduler.py         Scheduler, StepRecord, stats
+    async_scheduler.py    v1/core/sched/async_scheduler.py   AsyncScheduler (placeholders)
     sched_output.py       v1/core/sched/output.py            SchedulerOutput, New/CachedRequestData
     outputs.py            v1/outputs.py                      ModelRunnerOutput
     model_runner.py       v1/worker/gpu_model_runner.py      GPUModelRunner, KV cache layout
@@ -28,7 +30,8 @@ scheduling side import without torch; ``LLM`` and ``RequestOutput`` load
 torch (and the model code) on first use.
 """
 
-from kvref.engine.core import EngineCore, EngineCoreStep, engine_step
+from kvref.engine.async_scheduler import AsyncScheduler
+from kvref.engine.core import AsyncEngineCore, EngineCore, EngineCoreStep, engine_step
 from kvref.engine.model_free_runner import ModelFreeRunner
 from kvref.engine.ngram_proposer import NgramProposer
 from kvref.engine.outputs import ModelRunnerOutput
@@ -46,7 +49,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvref.engine' has no attribute {name!r}")
 
 
-__all__ = ["CachedRequestData", "CompletionOutput", "EngineCore", "EngineCoreStep",
+__all__ = ["AsyncEngineCore", "AsyncScheduler", "CachedRequestData", "CompletionOutput",
+           "EngineCore", "EngineCoreStep",
            "EngineRequest", "LLM", "ModelFreeRunner", "ModelRunnerOutput", "NewRequestData",
            "NgramProposer", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerOutput",
            "SchedulerStats", "StepRecord", "engine_step"]

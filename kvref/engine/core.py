@@ -24,15 +24,40 @@ workloads and the tests (``ModelFreeRunner``, no torch) all step through
     >>> [len(core.step().finished) for _ in range(2)]    # the last prompt token, one decode
     [0, 1]
 
-Where later features join this loop, without a second one:
+Async scheduling is the same loop with a queue between its halves
+(``AsyncEngineCore``, vLLM's ``step_with_batch_queue``): a step has two
+halves, ``schedule`` + ``execute_model``, then ``update_from_output``. The
+async core runs the runner on a worker thread, keeps up to two
+scheduled-but-unfinished batches, and calls ``update_from_output`` on the
+oldest only when the queue is full (or nothing more can be scheduled), so
+the scheduler plans step N+1 while the runner works on step N. Its ``step``
+returns ``None`` for a call that only queued a batch. Use it with an
+``AsyncScheduler`` and a runner made with ``async_scheduling=True``::
 
-- Async scheduling (vLLM's ``step_with_batch_queue``: the scheduler plans
-  step N+1 while the runner works on step N). A step has two halves:
-  ``schedule`` + ``execute_model``, then ``update_from_output`` (this
-  class's method of that name, which also takes the drafts). An async core
-  keeps a queue of scheduled-but-unfinished batches between the halves and
-  calls ``update_from_output`` on the oldest when the queue is full; its
-  ``step`` returns ``None`` for a step that only queued a batch.
+    >>> from kvref.engine.async_scheduler import AsyncScheduler
+    >>> manager = KVCacheManager(config, max_model_len=32, scheduler_block_size=4,
+    ...                          hash_block_size=4)
+    >>> scheduler = AsyncScheduler(manager, max_num_batched_tokens=8)
+    >>> req = scheduler.new_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    >>> runner = ModelFreeRunner(vocab_size=50, async_scheduling=True)
+    >>> core = AsyncEngineCore(scheduler, runner)
+    >>> core.step() is None                   # step 0 queued, nothing back yet
+    True
+    >>> req.num_computed_tokens, req.num_output_placeholders   # its first token in flight
+    (3, 1)
+    >>> step = core.step()                    # plans step 1, then applies step 0
+    >>> step.scheduler_output.num_scheduled_tokens, len(req.output_token_ids)
+    ({'a': 3}, 1)
+    >>> req.num_computed_tokens, req.num_output_placeholders   # step 1's token in flight
+    (4, 1)
+    >>> while core.has_work():
+    ...     _ = core.step()
+    >>> req.output_token_ids == runner.reference_output([1, 2, 3], 3)
+    True
+    >>> core.shutdown()
+
+Where a later feature joins this loop, without a second one:
+
 - A KV connector lives, as in vLLM, inside the scheduler (which asks it
   for external hits and builds its metadata in ``schedule``, and reads its
   results in ``update_from_output``) and inside the runner (loads and saves
@@ -42,6 +67,8 @@ Where later features join this loop, without a second one:
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,7 +77,8 @@ from kvref.engine.request import EngineRequest
 from kvref.engine.sched_output import SchedulerOutput
 from kvref.engine.scheduler import Scheduler
 
-__all__ = ["EngineCore", "EngineCoreStep", "ModelRunner", "engine_step"]
+__all__ = ["AsyncEngineCore", "EngineCore", "EngineCoreStep", "ModelRunner", "engine_step",
+           "make_engine_core"]
 
 
 class ModelRunner(Protocol):
@@ -81,11 +109,24 @@ class EngineCore:
         self.scheduler = scheduler
         self.model_runner = model_runner
 
+    def has_work(self) -> bool:
+        """Whether ``step`` has anything to do (vLLM's ``has_work``): requests, or
+        finished ones the next ``SchedulerOutput`` must still report."""
+        return self.scheduler.has_requests()
+
     def step(self) -> EngineCoreStep:
-        """Plan a step, run it, and take its tokens back."""
+        """Plan a step, run it, and take its tokens back.
+
+        Called only while the scheduler has unfinished requests, or finished
+        ones not yet reported (after the last request finishes vLLM's engine
+        runs one more step, with nothing scheduled, to report it; ``has_work``).
+        """
         scheduler_output = self.scheduler.schedule()
         model_runner_output = self.model_runner.execute_model(scheduler_output)
         return self.update_from_output(scheduler_output, model_runner_output)
+
+    def shutdown(self) -> None:
+        """Nothing to stop for a synchronous core (the async one has a thread)."""
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> EngineCoreStep:
@@ -96,6 +137,77 @@ class EngineCore:
         finished = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         self.scheduler.update_draft_token_ids(self.model_runner.take_draft_token_ids())
         return EngineCoreStep(scheduler_output, model_runner_output, finished)
+
+
+class AsyncEngineCore(EngineCore):
+    """Overlapped stepping (vLLM's ``EngineCore.step_with_batch_queue``).
+
+    The runner runs on one worker thread; up to ``scheduler.max_concurrent_batches``
+    (2) batches are in flight. Each ``step`` call:
+
+    1. if the scheduler has requests, schedules a batch and submits it to
+       the worker, without waiting; while the queue has room and there is
+       more to schedule (or the batch was not empty), returns ``None`` right
+       away, so the next call plans the next step while this one runs;
+    2. otherwise waits for the oldest batch and applies its output
+       (``update_from_output``), returning that step.
+
+    The drafts stay with the runner (vLLM skips ``post_step``'s draft update
+    under async scheduling); the scheduler schedules placeholders for them.
+    """
+
+    def __init__(self, scheduler: Scheduler, model_runner: ModelRunner) -> None:
+        if scheduler.max_concurrent_batches < 2:
+            raise ValueError("AsyncEngineCore needs an AsyncScheduler (a scheduler that "
+                             "counts output placeholders), got "
+                             f"{type(scheduler).__name__}")
+        if not getattr(model_runner, "async_scheduling", False):
+            raise ValueError("AsyncEngineCore needs a runner made with async_scheduling=True "
+                             "(it keeps its own drafts and token counts)")
+        super().__init__(scheduler, model_runner)
+        self.batch_queue_size = scheduler.max_concurrent_batches
+        # Newest on the left, oldest on the right (vLLM's order).
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvref-runner")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    def step(self) -> EngineCoreStep | None:
+        scheduler = self.scheduler
+        queue = self.batch_queue
+        assert len(queue) < self.batch_queue_size
+        if scheduler.has_requests():
+            scheduler_output = scheduler.schedule()
+            future = self._executor.submit(self.model_runner.execute_model, scheduler_output)
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            queue.appendleft((future, scheduler_output))
+            if len(queue) < self.batch_queue_size and (model_executed
+                                                       or scheduler.has_requests()):
+                return None                   # the runner works; plan the next one first
+        elif not queue:
+            return None
+        future, scheduler_output = queue.pop()
+        model_runner_output = future.result()
+        return self.update_from_output(scheduler_output, model_runner_output)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreStep:
+        finished = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        return EngineCoreStep(scheduler_output, model_runner_output, finished)
+
+    def shutdown(self) -> None:
+        """Wait for the batches in flight and stop the worker thread."""
+        for future, _ in self.batch_queue:
+            future.result()
+        self._executor.shutdown(wait=True)
+
+
+def make_engine_core(scheduler: Scheduler, model_runner: ModelRunner) -> EngineCore:
+    """The core that fits the scheduler: ``AsyncEngineCore`` for an ``AsyncScheduler``."""
+    if scheduler.max_concurrent_batches > 1:
+        return AsyncEngineCore(scheduler, model_runner)
+    return EngineCore(scheduler, model_runner)
 
 
 def engine_step(scheduler: Scheduler, model_runner: ModelRunner) -> EngineCoreStep:

@@ -43,12 +43,24 @@ class RunnerRequestStates:
 
     With a ``drafter`` (``NgramProposer``), requests that sampled get a draft
     for the next step, collected by ``take_draft_token_ids``.
+
+    With ``async_scheduling`` the scheduler plans a step before the previous
+    one's tokens are back, so what it sends is ahead of the runner: its
+    ``num_computed_tokens`` for a running request counts draft slots that may
+    yet be rejected, and its draft tokens are ``-1`` placeholders. The runner
+    then keeps its own count (it knows how many drafts the last step
+    accepted) and fills the placeholders with the draft it proposed after the
+    request's latest sample (cut to the slots scheduled, the rest ``-1``,
+    which no model token equals). vLLM's GPU runner does the same on device.
     """
 
-    def __init__(self, drafter: NgramProposer | None = None) -> None:
+    def __init__(self, drafter: NgramProposer | None = None,
+                 async_scheduling: bool = False) -> None:
         self.requests: dict[str, CachedRequestState] = {}
         self.drafter = drafter
+        self.async_scheduling = async_scheduling
         self._draft_token_ids: dict[str, list[int]] = {}
+        self._latest_drafts: dict[str, list[int]] = {}      # async: kept by the runner
 
     def update_states(self, scheduler_output: SchedulerOutput) -> list[CachedRequestState]:
         """Apply one step's ``SchedulerOutput``; return the scheduled states in batch order.
@@ -59,6 +71,7 @@ class RunnerRequestStates:
         """
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._latest_drafts.pop(req_id, None)
         for req_id in scheduler_output.preempted_req_ids:
             if req_id in self.requests:
                 self.requests[req_id].block_ids = ()
@@ -73,7 +86,15 @@ class RunnerRequestStates:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
+            num_computed = cached.num_computed_tokens[i]
+            if self.async_scheduling and req_id not in cached.resumed_req_ids:
+                # The scheduler's count includes in-flight drafts; ours is exact.
+                if num_computed < state.num_computed_tokens:
+                    raise RuntimeError(f"request {req_id!r}: the scheduler is at "
+                                       f"{num_computed} tokens, the runner at "
+                                       f"{state.num_computed_tokens}")
+            else:
+                state.num_computed_tokens = num_computed
             if req_id in cached.all_token_ids:
                 state.token_ids = list(cached.all_token_ids[req_id])
             new_block_ids = cached.new_block_ids[i]
@@ -84,6 +105,18 @@ class RunnerRequestStates:
                 for group_ids, added in zip(state.block_ids, new_block_ids):
                     group_ids.extend(added)
         return [self.requests[req_id] for req_id in scheduler_output.num_scheduled_tokens]
+
+    def scheduled_drafts(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        """The draft tokens this step feeds in, by request: the scheduled ones, or
+        under async scheduling the runner's own in place of the placeholders."""
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if not self.async_scheduling:
+            return drafts
+        filled = {}
+        for req_id, slots in drafts.items():
+            mine = self._latest_drafts.get(req_id, [])[:len(slots)]
+            filled[req_id] = mine + [-1] * (len(slots) - len(mine))
+        return filled
 
     def on_new_request(self, state: CachedRequestState) -> None:
         """Hook for subclasses (the real runner seeds the request's sampler here)."""
@@ -128,9 +161,14 @@ class RunnerRequestStates:
         num_rejected = len(draft) - (len(sampled) - 1) if sampled else 0
         state.num_computed_tokens += num_scheduled_tokens - num_rejected
         if sampled and self.drafter is not None:
-            self._draft_token_ids[state.req_id] = self.drafter.propose(state.token_ids)
+            draft = self.drafter.propose(state.token_ids)
+            if self.async_scheduling:
+                self._latest_drafts[state.req_id] = draft
+            else:
+                self._draft_token_ids[state.req_id] = draft
 
     def take_draft_token_ids(self) -> dict[str, list[int]]:
-        """The drafts proposed in the last step, by request id (then forgotten)."""
+        """The drafts proposed in the last step, by request id (then forgotten).
+        Empty under async scheduling: the runner keeps its drafts."""
         drafts, self._draft_token_ids = self._draft_token_ids, {}
         return drafts

@@ -8,23 +8,51 @@ over the paged KV cache, and the scheduler takes the sampled tokens back::
     llm = LLM("path/to/checkpoint", num_gpu_blocks=64)        # or a transformers model
     outs = llm.generate([[1, 2, 3], [1, 2, 4]], SamplingParams(max_tokens=8))
     outs[0].outputs[0].token_ids          # 8 greedy tokens
+    llm.generate("Hello")                 # text: only with a tokenizer (the folder's own)
     llm.stats                             # prompt tokens computed vs cached, preemptions
     llm.kv_cache_manager.block_pool       # the live pool
 
 ``after_step`` hooks run after every step with the ``LLM`` (tests check the
 manager's invariants there; the visualizer draws the pool).
+
+With ``async_scheduling=True`` the loop is ``AsyncEngineCore`` (vLLM's
+``step_with_batch_queue``): the model runs step N on a worker thread while
+the ``AsyncScheduler`` plans step N+1; greedy tokens are the same as the
+synchronous engine's.
+
+The defaults of the scheduling knobs are vLLM 0.25.1's for ``vllm.LLM``
+(``EngineArgs.get_batch_defaults`` with the ``LLM_CLASS`` usage context, one
+GPU, ``performance_mode`` "balanced")::
+
+    device          max_num_batched_tokens   max_num_seqs
+    CPU             4096                     256
+    CUDA < 70 GiB   8192                     256
+    (or an A100)
+    CUDA >= 70 GiB  16384                    1024
+
+then, as vLLM does for a value left at its default: ``max_num_batched_tokens``
+at least ``max_model_len`` without chunked prefill, at most ``max_num_seqs *
+max_model_len``; ``max_num_seqs`` at most ``max_num_batched_tokens``.
+``scheduler_reserve_full_isl`` is True (vLLM's ``SchedulerConfig`` default);
+``async_scheduling`` left as None is vLLM's rule: on for CUDA unless
+speculative decoding with n-gram drafts is asked for (vLLM allows async
+scheduling with ``ngram_gpu``, not ``ngram``), off on CPU (vLLM's CPU
+platform turns it off; kvref runs it on CPU when asked to).
 """
 
 from __future__ import annotations
 
 import math
+import operator
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvref import KVCacheManager, SlidingWindowSpec
-from kvref.engine.core import EngineCore
+from kvref.engine.async_scheduler import AsyncScheduler
+from kvref.engine.core import make_engine_core
 from kvref.engine.loader import load_model
 from kvref.engine.model_runner import GPUModelRunner, make_kv_cache_config
 from kvref.engine.ngram_proposer import NgramProposer
@@ -32,7 +60,50 @@ from kvref.engine.request import EngineRequest
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.scheduler import Scheduler, SchedulerStats
 
-__all__ = ["CompletionOutput", "LLM", "RequestOutput"]
+__all__ = ["CompletionOutput", "LLM", "RequestOutput", "default_batch_limits",
+           "resolve_batch_limits"]
+
+GiB = 1 << 30
+
+
+def default_batch_limits(device: torch.device | str) -> tuple[int, int]:
+    """vLLM 0.25.1's ``(max_num_batched_tokens, max_num_seqs)`` for ``vllm.LLM`` on
+    ``device`` before the ``max_model_len`` adjustments (see the module docstring)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 4096, 256
+    props = torch.cuda.get_device_properties(device)
+    if props.total_memory >= 70 * GiB and "a100" not in props.name.lower():
+        return 16384, 1024
+    return 8192, 256
+
+
+def resolve_batch_limits(device: torch.device | str, max_model_len: int,
+                         max_num_batched_tokens: int | None = None,
+                         max_num_seqs: int | None = None,
+                         enable_chunked_prefill: bool = True) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` as vLLM 0.25.1 sets them for
+    ``vllm.LLM`` (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``):
+    a value given is kept; a value left out takes the device's default, and then
+    ``max_num_batched_tokens`` is at least ``max_model_len`` without chunked
+    prefill and at most ``max_num_seqs * max_model_len``, and ``max_num_seqs`` at
+    most ``max_num_batched_tokens``.
+
+        >>> resolve_batch_limits("cpu", 64), resolve_batch_limits("cpu", 8)
+        ((4096, 256), (2048, 256))
+        >>> resolve_batch_limits("cpu", 64, max_num_seqs=2)
+        (128, 2)
+    """
+    default_tokens, default_seqs = default_batch_limits(device)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_tokens
+        if not enable_chunked_prefill:
+            max_num_batched_tokens = max(max_model_len, max_num_batched_tokens)
+        max_num_batched_tokens = min((max_num_seqs or default_seqs) * max_model_len,
+                                     max_num_batched_tokens)
+    if max_num_seqs is None:
+        max_num_seqs = min(default_seqs, max_num_batched_tokens)
+    return max_num_batched_tokens, max_num_seqs
 
 
 @dataclass
@@ -44,6 +115,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logits: list[torch.Tensor] = field(default_factory=list)
+    text: str | None = None        # the tokens decoded, when the LLM has a tokenizer
 
 
 @dataclass
@@ -55,6 +127,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int
+    prompt: str | None = None      # the prompt's text, when it was given as text
 
 
 class LLM:
@@ -68,8 +141,9 @@ class LLM:
             room for ``max_num_seqs`` full-length requests within
             ``kv_cache_memory_bytes``. Small pools force preemption and eviction.
         enable_prefix_caching: reuse cached blocks of identical prefixes.
-        max_num_batched_tokens: tokens per step (default 2048).
-        max_num_seqs: requests running at once (default 256).
+        max_num_batched_tokens: tokens per step (default: vLLM's for the
+            device, 4096 on CPU; see the module docstring).
+        max_num_seqs: requests running at once (default: vLLM's, 256 on CPU).
         max_model_len: longest sequence (default: the config's
             ``max_position_embeddings``).
         long_prefill_token_threshold, enable_chunked_prefill: as in the scheduler.
@@ -77,11 +151,22 @@ class LLM:
         device, dtype: where the model and KV cache live, and their dtype.
         keep_logits: put each generated token's logits in ``CompletionOutput.logits``.
         kv_cache_memory_bytes: the memory the default pool size may use.
+        tokenizer: what turns string prompts into token ids (and generated
+            tokens back into ``CompletionOutput.text``): a ``transformers``
+            tokenizer, or a local folder to load one from. Default: the
+            checkpoint folder's own tokenizer files, if it has any (never
+            downloaded). Without one, prompts must be token ids.
         enable_kv_cache_events: queue the manager's block events
             (``llm.kv_cache_manager.take_events()``).
         speculative_config: ``{"method": "ngram", "num_speculative_tokens": k,
             "prompt_lookup_min": a, "prompt_lookup_max": b}`` (vLLM's keys and
             defaults: ``a = b = 5`` when neither is given, else the one given).
+        scheduler_reserve_full_isl: admit a request only when the blocks of
+            its whole prompt fit (vLLM's default, True); False admits the chunk
+            that fits this step, and may preempt it later (lesson 09).
+        async_scheduling: plan step N+1 while the model runs step N
+            (``AsyncScheduler`` + ``AsyncEngineCore``); None: vLLM's default
+            for the device (see the module docstring).
     """
 
     def __init__(self, model, *, block_size: int = 16, num_gpu_blocks: int | None = None,
@@ -92,14 +177,21 @@ class LLM:
                  dtype: torch.dtype | None = None, keep_logits: bool = False,
                  kv_cache_memory_bytes: int = 1 << 30,
                  enable_kv_cache_events: bool = False,
-                 speculative_config: dict | None = None) -> None:
+                 speculative_config: dict | None = None,
+                 scheduler_reserve_full_isl: bool = True,
+                 async_scheduling: bool | None = None, tokenizer=None) -> None:
         self.device = torch.device(device)
         self.model = load_model(model, self.device, dtype)
+        self.tokenizer = _load_tokenizer(model, tokenizer)
         self.dtype = next(self.model.parameters()).dtype
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.max_num_seqs = max_num_seqs or 256
-        self.max_num_batched_tokens = max_num_batched_tokens or 2048
+        self.max_num_batched_tokens, self.max_num_seqs = resolve_batch_limits(
+            self.device, self.max_model_len, max_num_batched_tokens, max_num_seqs,
+            enable_chunked_prefill)
+        if async_scheduling is None:
+            async_scheduling = self.device.type == "cuda" and not speculative_config
+        self.async_scheduling = async_scheduling
         if not enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) must be >= max_model_len "
@@ -127,20 +219,45 @@ class LLM:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_caching=enable_prefix_caching, log_stats=True, watermark=watermark,
             enable_kv_cache_events=enable_kv_cache_events)
-        self.scheduler = Scheduler(
+        drafter = self._make_drafter(speculative_config)
+        scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(
             self.kv_cache_manager, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_chunked_prefill=enable_chunked_prefill, eos_token_id=config.eos_token_id)
+            enable_chunked_prefill=enable_chunked_prefill, eos_token_id=config.eos_token_id,
+            scheduler_reserve_full_isl=scheduler_reserve_full_isl,
+            num_speculative_tokens=drafter.k if drafter else 0)
         self.model_runner = GPUModelRunner(
             self.model, self.kv_cache_config, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_seqs,
             device=self.device, dtype=self.dtype, keep_logits=keep_logits,
-            drafter=self._make_drafter(speculative_config))
-        self.engine_core = EngineCore(self.scheduler, self.model_runner)
+            drafter=drafter, async_scheduling=async_scheduling)
+        self.engine_core = make_engine_core(self.scheduler, self.model_runner)
         self.after_step: list[Callable[[LLM], None]] = []
         self._logits: dict[str, list[torch.Tensor]] = {}
+        self._prompt_text: dict[str, str] = {}
         self._next_request_id = 0
+
+    def _token_ids(self, index: int, prompt) -> tuple[list[int], str | None]:
+        """A prompt of ``generate`` as token ids, and its text if it had one."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt_token_ids' or "
+                                 f"'prompt', got keys {sorted(prompt)}")
+        if not isinstance(prompt, str):
+            return prompt, None
+        if self.tokenizer is None:
+            raise ValueError(
+                f"prompt {index} is text ({prompt[:30]!r}), but this LLM has no tokenizer: "
+                "pass token ids (a list of ints, or {'prompt_token_ids': [...]}), or give "
+                "LLM(..., tokenizer=FOLDER_OR_TOKENIZER) or a checkpoint folder with "
+                "tokenizer files")
+        return list(self.tokenizer(prompt)["input_ids"]), prompt
 
     def _make_drafter(self, speculative_config: dict | None) -> NgramProposer | None:
         if not speculative_config:
@@ -180,8 +297,8 @@ class LLM:
     def add_request(self, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> EngineRequest:
-        """Queue one prompt; ``step()`` runs it."""
-        ids = [int(t) for t in prompt_token_ids]
+        """Queue one prompt (token ids); ``step()`` runs it."""
+        ids = _as_token_ids(prompt_token_ids)
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -193,33 +310,42 @@ class LLM:
         return self.scheduler.new_request(request_id, ids, sampling_params)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that finished in it. Under async
+        scheduling a step that only queued a batch returns ``[]``."""
         step = self.engine_core.step()
-        for req_id, logits in step.model_runner_output.logits.items():
-            self._logits.setdefault(req_id, []).extend(logits)
+        if step is not None:
+            for req_id, logits in step.model_runner_output.logits.items():
+                self._logits.setdefault(req_id, []).extend(logits)
         for hook in self.after_step:
             hook(self)
-        return [self._make_output(req) for req in step.finished]
+        return [] if step is None else [self._make_output(req) for req in step.finished]
 
     def generate(self, prompts: Sequence, sampling_params: SamplingParams
                  | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order.
 
-        ``prompts``: token-id lists, or ``{"prompt_token_ids": [...]}`` dicts.
+        ``prompts``: one prompt or a list of them; a prompt is a token-id list,
+        ``{"prompt_token_ids": [...]}``, or (with a tokenizer) a string or
+        ``{"prompt": "..."}``, as ``vllm.LLM.generate`` takes them. A string
+        without a tokenizer is an error that says what to pass instead.
         ``sampling_params``: one for all, or one per prompt.
         """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} "
                              "prompts")
         order = []
-        for prompt, params in zip(prompts, sampling_params):
-            if isinstance(prompt, dict):
-                prompt = prompt["prompt_token_ids"]
-            order.append(self.add_request(prompt, params).request_id)
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            ids, text = self._token_ids(index, prompt)
+            request_id = self.add_request(ids, params).request_id
+            if text is not None:
+                self._prompt_text[request_id] = text
+            order.append(request_id)
         done: dict[str, RequestOutput] = {}
-        while self.scheduler.has_unfinished_requests():
+        while self.engine_core.has_work():
             for output in self.step():
                 done[output.request_id] = output
         return [done[request_id] for request_id in order]
@@ -228,6 +354,43 @@ class LLM:
         tokens = list(request.output_token_ids)
         # A stop inside an accepted draft drops its tail: drop those logits too.
         logits = self._logits.pop(request.request_id, [])[:len(tokens)]
-        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits)
+        text = (None if self.tokenizer is None else
+                self.tokenizer.decode(tokens, skip_special_tokens=True))
+        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits, text)
         return RequestOutput(request.request_id, list(request.prompt_token_ids),
-                             [completion], True, request.num_cached_tokens)
+                             [completion], True, request.num_cached_tokens,
+                             self._prompt_text.pop(request.request_id, None))
+
+
+def _as_token_ids(tokens) -> list[int]:
+    """Token ids as ints; a clear ``TypeError`` for text or anything not an integer."""
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError(f"token ids expected, got text {tokens[:30]!r}; text prompts go "
+                        "through generate() on an LLM with a tokenizer")
+    ids = []
+    for t in tokens:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"token ids must be integers, got {t!r} "
+                            f"({type(t).__name__})") from None
+    return ids
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _load_tokenizer(model, tokenizer):
+    """The LLM's tokenizer: the one given, one loaded from a given folder, or
+    the checkpoint folder's own; None when there is none. Never downloads."""
+    if tokenizer is None and isinstance(model, (str, os.PathLike)):
+        if any(os.path.isfile(os.path.join(model, name)) for name in TOKENIZER_FILES):
+            tokenizer = model
+    if isinstance(tokenizer, (str, os.PathLike)):
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer),
+                                                          local_files_only=True)
+    return tokenizer

@@ -201,13 +201,22 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, KV, D]
+        """``cos, sin``: ``[T, 1, D]`` for positions ``[T]``, the same for every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]      # [T, D/2]
         angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]            # [T, 1, D]
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @staticmethod
+    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [T, H, D]; k [T, KV, D]; cos, sin [T, 1, D]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q, k, *self.cos_sin(positions, q.dtype))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -249,8 +258,8 @@ class Attention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
         self.gather_buffer = KVGatherBuffer()     # the model hands every layer the same one
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)             # [T, H, D]
@@ -258,7 +267,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)          # [T, KV, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.rotate(q, k, *rope)        # rope: (cos, sin) of the positions
         meta.plan.write_kv(kv_cache, k, v)            # write_kv, slots checked once per step
         if meta.plan.sliding_window != self.sliding_window:
             raise ValueError(f"layer window {self.sliding_window}, but its metadata was "
@@ -291,9 +300,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -334,8 +343,11 @@ class TransformerForCausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} must be the same [num_tokens] shape")
         hidden = self.embed_tokens(input_ids)                              # [T, hidden]
+        # Every layer rotates by the same angles: cos and sin once per step, not per
+        # layer (5 tensor ops per layer saved).
+        rope = self.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -42,10 +42,13 @@ class ModelFreeRunner(RunnerRequestStates):
     Args:
         vocab_size: tokens are drawn from ``range(vocab_size)``.
         drafter: an ``NgramProposer`` for speculative decoding, or None.
+        async_scheduling: the scheduler is an ``AsyncScheduler`` (see
+            ``RunnerRequestStates``).
     """
 
-    def __init__(self, vocab_size: int = 32000, drafter: NgramProposer | None = None) -> None:
-        super().__init__(drafter)
+    def __init__(self, vocab_size: int = 32000, drafter: NgramProposer | None = None,
+                 async_scheduling: bool = False) -> None:
+        super().__init__(drafter, async_scheduling)
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
@@ -63,10 +66,11 @@ class ModelFreeRunner(RunnerRequestStates):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         states = self.update_states(scheduler_output)
+        drafts = self.scheduled_drafts(scheduler_output)
         sampled: list[list[int]] = []
         for state in states:
             n = scheduler_output.num_scheduled_tokens[state.req_id]
-            draft = scheduler_output.scheduled_spec_decode_tokens.get(state.req_id, [])
+            draft = drafts.get(state.req_id, [])
             self.scheduled_token_ids(state, n, draft)          # checks the counts
             tokens: list[int] = []
             if self.samples(state, n):

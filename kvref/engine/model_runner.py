@@ -16,10 +16,11 @@ then the model writes the new keys/values at ``slot_mapping`` and attends over
 each request's blocks; the logits of each request's last scheduled token are
 sampled, unless the step ended inside its prompt (a cut prefill).
 
-Unlike vLLM, the batch is not persistent: every step re-writes the block-table
-rows of the scheduled requests from the block ids the runner keeps per request
-(``RunnerRequestStates``, ``gpu_input_batch.py``), which is what vLLM's
-persistent batch amounts to.
+Unlike vLLM, the batch is not persistent: requests take table rows in the
+scheduler's order every step. A row that holds the same request as last step
+only gets the request's new blocks appended, as in vLLM's persistent batch;
+any other row is rewritten from the block ids the runner keeps per request
+(``RunnerRequestStates``, ``gpu_input_batch.py``).
 
 KV cache layout: one ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
 tensor per layer position, shared by the ``j``-th layer of every KV cache group
@@ -117,13 +118,16 @@ class GPUModelRunner(RunnerRequestStates):
         keep_logits: return each sampled token's logits (float32, CPU) in
             ``ModelRunnerOutput.logits`` (tests compare them with transformers).
         drafter: an ``NgramProposer`` for speculative decoding, or None.
+        async_scheduling: the scheduler is an ``AsyncScheduler`` (see
+            ``gpu_input_batch.RunnerRequestStates``).
     """
 
     def __init__(self, model: TransformerForCausalLM, kv_cache_config: KVCacheConfig, *,
                  max_model_len: int, max_num_batched_tokens: int, max_num_reqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 keep_logits: bool = False, drafter: NgramProposer | None = None) -> None:
-        super().__init__(drafter)
+                 keep_logits: bool = False, drafter: NgramProposer | None = None,
+                 async_scheduling: bool = False) -> None:
+        super().__init__(drafter, async_scheduling)
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
@@ -144,6 +148,9 @@ class GPUModelRunner(RunnerRequestStates):
             max_num_reqs=max_num_reqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, device=self.device,
             block_sizes=[g.kv_cache_spec.block_size for g in groups])
+        # Per table row: the block-id lists it was filled from, and their lengths then.
+        self._row_contents: list[tuple[tuple[list[int], ...], list[int]] | None] = \
+            [None] * max_num_reqs
 
     def _initialize_kv_cache(self) -> list[torch.Tensor]:
         """Layer ``j`` of each group shares the ``j``-th tensor; returns one view per layer."""
@@ -182,7 +189,7 @@ class GPUModelRunner(RunnerRequestStates):
         if not states:
             return output
         num_scheduled = scheduler_output.num_scheduled_tokens
-        drafts = scheduler_output.scheduled_spec_decode_tokens
+        drafts = self.scheduled_drafts(scheduler_output)
         batch = self._prepare_inputs(states, num_scheduled, drafts)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
                             batch.attn_metadata)
@@ -190,8 +197,11 @@ class GPUModelRunner(RunnerRequestStates):
         if batch.sampling:
             logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
         sampled: dict[str, list[int]] = {}
+        # Greedy rows: one argmax and one copy to Python for the whole batch (per
+        # request, two small ops each: ~16 requests x 2 per step on the toy).
+        argmax = logits.argmax(dim=-1).tolist() if logits is not None else []
         for state, draft, rows in batch.sampling:
-            targets = self._sample(logits[rows], state)
+            targets = self._sample(logits[rows], state, argmax[rows])
             sampled[state.req_id] = self.accept_draft(draft, targets)
             if self.keep_logits:
                 output.logits[state.req_id] = logits[rows][:len(sampled[state.req_id])].cpu()
@@ -215,11 +225,13 @@ class GPUModelRunner(RunnerRequestStates):
             n = num_scheduled_tokens[state.req_id]
             draft = drafts.get(state.req_id, [])
             start = state.num_computed_tokens
-            input_ids.extend(self.scheduled_token_ids(state, n, draft))
+            # A -1 draft (a padding slot) goes in as token 0, as vLLM clamps it; no
+            # model token equals -1, so it is rejected and its slot overwritten later.
+            input_ids.extend(max(t, 0) for t in self.scheduled_token_ids(state, n, draft))
             positions.extend(range(start, start + n))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(start + n)
-            self.block_table.add_row(state.block_ids, row)
+            self._fill_row(state, row)
             if self.samples(state, n):
                 # Rows of the last known token and of each draft token.
                 first = len(logits_indices)
@@ -256,11 +268,28 @@ class GPUModelRunner(RunnerRequestStates):
             sampling=sampling,
             attn_metadata=[per_group[g] for g in self.layer_to_group])
 
-    def _sample(self, logits: torch.Tensor, state: CachedRequestState) -> list[int]:
-        """One token per row of ``logits [rows, vocab]``: argmax at temperature 0,
-        else softmax sampling with the request's own RNG."""
+    def _fill_row(self, state: CachedRequestState, row: int) -> None:
+        """Make table row ``row`` hold ``state``'s blocks. A row that held the same
+        request last step only gets its new blocks (a request's block lists only
+        grow; a resumed one gets new lists): rewriting every row every step cost a
+        tensor build per request per step, ~10% of a toy-model step."""
+        held = self._row_contents[row]
+        if held is not None and held[0] is state.block_ids:
+            new = [ids[n:] for ids, n in zip(state.block_ids, held[1])]
+            if any(new):
+                self.block_table.append_row(new, row)
+        else:
+            self.block_table.add_row(state.block_ids, row)
+        # The tuple is kept alive here, so ``is`` cannot mistake a new one for it.
+        self._row_contents[row] = (state.block_ids, [len(ids) for ids in state.block_ids])
+
+    def _sample(self, logits: torch.Tensor, state: CachedRequestState,
+                argmax: list[int]) -> list[int]:
+        """One token per row of ``logits [rows, vocab]``: argmax at temperature 0
+        (``argmax``: those rows' argmax, computed for the batch), else softmax
+        sampling with the request's own RNG."""
         params = state.sampling_params
         if params is None or params.temperature == 0.0:
-            return logits.argmax(dim=-1).tolist()
+            return argmax
         probs = torch.softmax(logits / params.temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=state.generator).squeeze(-1).tolist()

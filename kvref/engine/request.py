@@ -45,6 +45,11 @@ class EngineRequest(Request):
         self.spec_token_ids: list[int] = []
         # Whether the last step stopped inside the known tokens (sampled nothing).
         self.is_prefill_chunk = True
+        # Async scheduling: tokens of steps in flight (sampled and draft slots),
+        # already counted in num_computed_tokens, not yet in the token list.
+        self.num_output_placeholders = 0
+        # The last step that scheduled it (the deferred-free fence; vLLM's name).
+        self.last_sched_seq = 0
         self.stop_reason: int | None = None
 
     @property

@@ -1,12 +1,14 @@
 """The scheduler: which requests run this step, and how many tokens each.
 
 Mirrors ``vllm/v1/core/sched/scheduler.py`` (v0.25.1), FCFS policy, without
-the KV connector, encoder inputs, LoRA, structured output and async
-scheduling; speculative decoding only with draft tokens that need no KV
-lookahead slots (the n-gram proposer), and without vLLM's padding of a
-re-admitted one-token decode to ``1 + k`` tokens (a CUDA-graph shape). What
-is left is the part that drives the KV cache manager, in vLLM's order and
-with vLLM's calls.
+the KV connector (its deferred frees are here: ``kv_consumer``), encoder
+inputs, LoRA and structured output; speculative decoding only with draft
+tokens that need no KV lookahead slots (the n-gram proposer), with vLLM's
+padding of a one-token admission to ``1 + k`` tokens. Async scheduling is the
+subclass in ``async_scheduler.py``. What is left is the part that drives the
+KV cache manager, in vLLM's order and with vLLM's calls; vLLM's own decisions,
+recorded (``tests/engine/vllm_scheduler_traces/``), replay on it with 0
+divergent steps.
 
 There is no prefill phase and no decode phase. Each request has
 ``num_computed_tokens`` (tokens whose KV is in the cache, or will be once
@@ -21,7 +23,8 @@ with the second::
          num_tokens_with_spec - num_computed_tokens tokens (1 when decoding,
          1 + k with k draft tokens; a chunk
          when its prefill was cut), capped by long_prefill_token_threshold,
-         the step's token budget and max_model_len - 1.
+         the step's token budget and max_model_len - 1. (Async scheduling
+         adds the in-flight tokens, num_output_placeholders.)
          allocate_slots(req, n) -> None means the pool is full: preempt the
          LAST-ADMITTED running request, the tail of the running list (free
          its blocks, num_computed_tokens = 0, back to the FRONT of the
@@ -33,9 +36,17 @@ with the second::
          get_computed_blocks(req) finds the prefix hit (when the request
          has no computed tokens), then
          allocate_slots(req, n, num_hit, hit_blocks,
+                        full_sequence_must_fit=scheduler_reserve_full_isl,
                         has_scheduled_reqs=bool(running))
-         -> None stops admission (the manager's watermark keeps a share of
-         the pool free for requests already running).
+         -> None stops admission: with the gate (vLLM's default) when the
+         blocks for all the request's tokens (its whole prompt; for a
+         resumed request prompt and outputs so far) do not fit now, so a
+         long prompt is not prefilled part way and then preempted; and the
+         manager's watermark keeps a share of the pool free for requests
+         already running. With k-token speculation, a request left with one
+         token to compute while the batch is all decodes is padded to 1 + k
+         tokens with -1 drafts; if 1 + k does not fit the budget or
+         max_model_len, admission stops.
          Admitted: RUNNING, num_computed_tokens = num_hit.
       3. Every scheduled request's num_computed_tokens += its tokens now,
          so a cut prefill continues next step without waiting for the model.
@@ -69,13 +80,15 @@ with no model at all::
 API summary (what other code relies on):
     ``Scheduler(kv_cache_manager, max_num_batched_tokens, max_num_seqs=128,
     max_model_len=None, long_prefill_token_threshold=0,
-    enable_chunked_prefill=True, eos_token_id=None)``;
+    enable_chunked_prefill=True, eos_token_id=None, *,
+    scheduler_reserve_full_isl=True, num_speculative_tokens=0, kv_consumer=False)``;
     ``new_request(request_id, prompt_token_ids, sampling_params) -> EngineRequest``
     or ``add_request(EngineRequest)``; ``schedule() -> SchedulerOutput``;
     ``update_from_output(scheduler_output, model_runner_output) -> list[EngineRequest]``
     (the requests that finished); ``update_draft_token_ids({req_id: draft})``;
     ``finish_requests(ids, status)`` (abort);
-    ``has_unfinished_requests()``; ``running``, ``waiting``, ``requests``;
+    ``has_unfinished_requests()``, ``has_requests()`` (also finished ones not yet
+    reported); ``running``, ``waiting``, ``requests``;
     ``step_records`` (one ``StepRecord`` per step: scheduled tokens, admitted,
     resumed, preempted, finished, prefix-hit tokens, free blocks) and ``stats``
     (``SchedulerStats``: totals over the run).
@@ -157,12 +170,33 @@ class Scheduler:
         enable_chunked_prefill: if False, a waiting request whose prompt does
             not fit the remaining budget stops admission instead of being cut.
         eos_token_id: end-of-sequence id given to requests made by ``new_request``.
+        scheduler_reserve_full_isl: admit a waiting request only if the blocks
+            for all its tokens fit now (the full input sequence: the prompt,
+            plus the outputs so far of a resumed request; vLLM's
+            ``SchedulerConfig`` field of that name, True by default), passed to
+            the manager as ``allocate_slots(..., full_sequence_must_fit=...)``.
+            False admits the chunk that fits this step, and a long prompt may
+            be prefilled part way, then preempted.
+        num_speculative_tokens: k, the drafts per step of the engine's proposer
+            (0: no speculation). A waiting request with one token left to
+            compute is then scheduled as ``1 + k`` tokens with ``-1`` drafts
+            (vLLM's padding to the uniform decode shape); see ``schedule``.
+        kv_consumer: a KV connector loads KV into this engine's blocks (vLLM's
+            ``kv_transfer_config.is_kv_consumer``). With more than one batch in
+            flight (``AsyncScheduler``) the blocks of a request freed while a
+            step that writes them is still running go back to the pool only
+            once that step's output is processed (vLLM's ``defer_block_free``).
     """
+
+    # Batches in flight at once: 1 here, 2 for the AsyncScheduler (vLLM's
+    # VllmConfig.max_concurrent_batches without pipeline parallelism).
+    max_concurrent_batches = 1
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, *, scheduler_reserve_full_isl: bool = True,
+                 num_speculative_tokens: int = 0, kv_consumer: bool = False) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -170,6 +204,9 @@ class Scheduler:
         if long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, got "
                              f"{long_prefill_token_threshold}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got "
+                             f"{num_speculative_tokens}")
         self.kv_cache_manager = kv_cache_manager
         self.max_num_scheduled_tokens = max_num_batched_tokens
         self.max_num_running_reqs = max_num_seqs
@@ -180,6 +217,8 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
         self.eos_token_id = eos_token_id
+        self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
+        self.num_spec_tokens = num_speculative_tokens
         # Requests hash their blocks as they grow; the manager looks hits up by them.
         if getattr(sys.modules[init_none_hash.__module__], "NONE_HASH", None) is None:
             init_none_hash(sha256)                # vLLM's engine seeds it once at start
@@ -192,7 +231,17 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
         self.step_records: list[StepRecord] = []
+        self._records_in_flight: dict[int, StepRecord] = {}   # id(SchedulerOutput) -> record
         self.stats = SchedulerStats()
+
+        # Deferred frees (vLLM's fence): steps scheduled and steps processed,
+        # counted over steps that schedule tokens, and the blocks waiting for a
+        # step to be processed, as (step the blocks wait for, blocks).
+        self.kv_consumer = kv_consumer
+        self.defer_block_free = kv_consumer and self.max_concurrent_batches > 1
+        self.sched_step_seq = 0
+        self.processed_step_seq = 0
+        self.deferred_frees: deque[tuple[int, list]] = deque()
 
     # -- requests in and out -------------------------------------------------
 
@@ -240,6 +289,16 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def has_finished_requests(self) -> bool:
+        """Finished since the last ``schedule()``: the next output must still report them."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        """Whether the engine must step again (vLLM's ``has_requests``): unfinished
+        requests, or finished ones no ``SchedulerOutput`` has reported yet (so
+        vLLM's engine runs one more, empty, step after the last request ends)."""
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
     # -- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -254,13 +313,26 @@ class Scheduler:
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         prefix_hit_tokens: dict[str, int] = {}
         token_budget = self.max_num_scheduled_tokens
+        # Whether a running request scheduled this step is still prefilling.
+        prefill_scheduled = False
         manager.new_step_starts()
 
         # 1. RUNNING requests first, in the order they were admitted.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if (request.num_output_placeholders > 0
+                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+                    >= request.num_prompt_tokens + request.max_tokens):
+                # Async scheduling: the steps in flight already reach max_tokens even
+                # if all their drafts are rejected (placeholders minus the one sampled
+                # token are drafts), so another step would only be thrown away.
+                req_index += 1
+                continue
+            # Placeholders: tokens of steps in flight, counted in num_computed_tokens
+            # but not yet in num_tokens (always 0 without async scheduling).
+            num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
+                              - request.num_computed_tokens)
             if 0 < self.long_prefill_token_threshold < num_new_tokens:
                 num_new_tokens = self.long_prefill_token_threshold
             num_new_tokens = min(num_new_tokens, token_budget,
@@ -284,6 +356,7 @@ class Scheduler:
                 break
 
             scheduled_running.append(request)
+            prefill_scheduled |= request.is_prefill_chunk
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -291,16 +364,17 @@ class Scheduler:
 
             if request.spec_token_ids:
                 # The drafts that fit after the real tokens (the budget may cut them).
-                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                num_spec = (num_new_tokens + request.num_computed_tokens - request.num_tokens
+                            - request.num_output_placeholders)
                 if num_spec > 0:
                     scheduled_spec_decode_tokens[request.request_id] = \
-                        request.spec_token_ids[:num_spec]
+                        list(request.spec_token_ids[:num_spec])
                 request.spec_token_ids = []       # the runner proposes fresh ones
 
         # 2. WAITING requests, unless this step had to preempt (the pool is tight).
         if not preempted:
             while self.waiting and token_budget > 0:
-                if len(self.running) == self.max_num_running_reqs:
+                if len(self.running) >= self.max_num_running_reqs:
                     break
                 request = self.waiting[0]
 
@@ -314,6 +388,19 @@ class Scheduler:
 
                 # num_tokens, not the prompt: a resumed request recomputes its outputs too.
                 num_new_tokens = request.num_tokens - num_computed_tokens
+                pad_spec_decode = False
+                if (self.num_spec_tokens > 0 and num_new_tokens == 1
+                        and scheduled_running and not prefill_scheduled):
+                    # One token left (a prefix hit of all but the last token, new or
+                    # resumed) while the batch is all decodes: vLLM schedules it as a
+                    # decode with k draft slots of -1, so the batch keeps one shape
+                    # (1 + k per request: a full CUDA graph). Rather than admit it
+                    # unpadded, admission stops when 1 + k does not fit.
+                    num_new_tokens = 1 + self.num_spec_tokens
+                    if (num_new_tokens > token_budget
+                            or num_computed_tokens + num_new_tokens > self.max_model_len):
+                        break
+                    pad_spec_decode = True
                 if 0 < self.long_prefill_token_threshold < num_new_tokens:
                     num_new_tokens = self.long_prefill_token_threshold
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
@@ -324,6 +411,7 @@ class Scheduler:
                     request, num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
+                    full_sequence_must_fit=self.scheduler_reserve_full_isl,
                     has_scheduled_reqs=bool(self.running))
                 if new_blocks is None:
                     break                         # no room: it stays first in line
@@ -342,6 +430,9 @@ class Scheduler:
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
+                if pad_spec_decode:
+                    scheduled_spec_decode_tokens[request.request_id] = \
+                        [-1] * self.num_spec_tokens
                 prefix_hit_tokens[request.request_id] = num_new_local_computed_tokens
                 if not request.output_token_ids:
                     request.num_cached_tokens = num_computed_tokens
@@ -376,6 +467,9 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids)
         self._record_step(output, scheduled_new, scheduled_resumed, preempted,
                           prefix_hit_tokens)
+        # The fence counts only steps that write KV (whose output comes back).
+        if self.defer_block_free and total > 0:
+            self.sched_step_seq += 1
         self._update_after_schedule(output)
         return output
 
@@ -385,9 +479,11 @@ class Scheduler:
         The caller has already taken it off ``running``. Its tokens (prompt and
         outputs so far) stay; its blocks go back to the pool, where the full
         ones stay cached, so the resumed request often hits its own prefix.
+        Its ``num_output_placeholders`` stay too: the steps in flight still
+        return their tokens for it.
         """
         assert request.status == RequestStatus.RUNNING, "only running requests are preempted"
-        self.kv_cache_manager.free(request)
+        self._free_request_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -401,7 +497,10 @@ class Scheduler:
             request = self.requests[req_id]
             self._count_prompt_tokens_computed(request, n)
             request.num_computed_tokens += n
-            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+            if self.defer_block_free:
+                request.last_sched_seq = self.sched_step_seq   # the step that writes its blocks
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders)
         self.stats.total_tokens_scheduled += output.total_num_scheduled_tokens
         self.stats.num_steps += 1
         # A fresh set: the output just built keeps the old one.
@@ -429,15 +528,22 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineRequest]:
         """Append the sampled tokens, stop what is done, free it; return the finished."""
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
+            # This step's writes are done, and every earlier step's: blocks waiting
+            # on them may go back to the pool.
+            self.processed_step_seq += 1
+            self._drain_deferred_frees()
         finished: list[EngineRequest] = []
-        record = self.step_records[-1] if self.step_records else None
+        stopped_running: list[EngineRequest] = []
+        stopped_preempted: list[EngineRequest] = []
+        record = self._records_in_flight.pop(id(scheduler_output), None)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             assert n > 0
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
-                continue                          # aborted while the model ran
+                continue                          # aborted (or stopped) while the model ran
             index = model_runner_output.req_id_to_index[req_id]
-            new_token_ids = model_runner_output.sampled_token_ids[index]
+            new_token_ids = list(model_runner_output.sampled_token_ids[index])
             if not new_token_ids:
                 continue                          # a cut prefill samples nothing
             draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
@@ -445,22 +551,40 @@ class Scheduler:
                 # All but the last sampled token are accepted drafts; the slots of
                 # the rejected ones count as not computed (they get overwritten).
                 num_accepted = len(new_token_ids) - 1
-                request.num_computed_tokens -= len(draft) - num_accepted
+                num_rejected = len(draft) - num_accepted
+                if request.num_computed_tokens > 0:       # 0: preempted meanwhile
+                    request.num_computed_tokens -= num_rejected
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= num_rejected
                 self.stats.num_draft_tokens += len(draft)
                 self.stats.num_accepted_tokens += num_accepted
-            for token in new_token_ids:
-                request.append_output_token_ids(token)
-                if record is not None:
-                    record.sampled.setdefault(req_id, []).append(token)
-                if check_stop(request, self.max_model_len):
-                    finished.append(request)
-                    break
-        for request in finished:
-            self.running.remove(request)
-            self._free_request(request)
+            status_before = request.status
+            new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
             if record is not None:
-                record.finished.append(request.request_id)
+                record.sampled.setdefault(req_id, []).extend(new_token_ids)
+            if stopped:
+                finished.append(request)
+                self._free_request(request)
+                if status_before == RequestStatus.RUNNING:
+                    stopped_running.append(request)
+                else:
+                    stopped_preempted.append(request)   # async: preempted while in flight
+                if record is not None:
+                    record.finished.append(request.request_id)
+        if stopped_running:
+            self.running = [r for r in self.running if r not in stopped_running]
+        for request in stopped_preempted:
+            self.waiting.remove(request)
         return finished
+
+    def _update_request_with_output(self, request: EngineRequest, new_token_ids: list[int]
+                                    ) -> tuple[list[int], bool]:
+        """Append the tokens up to a stop; return those kept and whether it stopped."""
+        for i, token in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token)
+            if check_stop(request, self.max_model_len):
+                return new_token_ids[:i], True
+        return new_token_ids, False
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Store each request's draft for the next step (vLLM drops drafts of prefill chunks)."""
@@ -472,10 +596,33 @@ class Scheduler:
 
     def _free_request(self, request: EngineRequest) -> None:
         assert request.is_finished()
-        self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
+        self._free_request_blocks(request)
         del self.requests[request.request_id]
         self.stats.num_finished += 1
+
+    def _free_request_blocks(self, request: EngineRequest) -> None:
+        """Give a request's blocks back, or, when a step still in flight may write
+        them and a KV consumer could refill them, park them until that step is
+        processed (``pop_blocks_for_free`` takes them off the request now)."""
+        if not self.defer_block_free or request.last_sched_seq <= self.processed_step_seq:
+            self.kv_cache_manager.free(request)
+            return
+        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+        if blocks:
+            self.deferred_frees.append((self.sched_step_seq, blocks))
+
+    def _drain_deferred_frees(self) -> None:
+        """Free the parked blocks whose step has been processed (oldest first)."""
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            # Reversed, as a free does: the tail of a request is evicted first.
+            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+
+    def deferred_blocks(self) -> list[list]:
+        """The block lists parked by deferred frees (for the invariant checker:
+        ``kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())``)."""
+        return [blocks for _, blocks in self.deferred_frees]
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -490,7 +637,7 @@ class Scheduler:
     def _record_step(self, output: SchedulerOutput, new: list[EngineRequest],
                      resumed: list[EngineRequest], preempted: list[EngineRequest],
                      prefix_hit_tokens: dict[str, int]) -> None:
-        self.step_records.append(StepRecord(
+        record = StepRecord(
             step=len(self.step_records),
             num_scheduled_tokens=dict(output.num_scheduled_tokens),
             admitted=[r.request_id for r in new],
@@ -499,4 +646,6 @@ class Scheduler:
             prefix_hit_tokens=prefix_hit_tokens,
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_running=len(self.running),
-            num_waiting=len(self.waiting)))
+            num_waiting=len(self.waiting))
+        self.step_records.append(record)
+        self._records_in_flight[id(output)] = record

@@ -5,7 +5,9 @@
 replayed to any position), ``workloads`` and ``walkthroughs`` (what ``kvref demo``
 runs), ``explain`` (why an op did what it did), ``interactive`` (stepping by
 typed commands), ``app`` (the full-screen viewer, Textual), ``details`` (one
-block or request as the replayed manager holds it).
+block or request as the replayed manager holds it), ``html_player`` (the whole
+trace as one offline HTML page, and ``Player`` for notebooks), ``demo`` (the
+demo's pacing).
 """
 
 from kvref.viz.panels import render_frame, render_pool

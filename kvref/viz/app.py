@@ -7,12 +7,13 @@ replayed manager holds for it at this op (``kvref.viz.details``)::
 
     KVViewer(TracePlayer(read_trace("chat.json")), start_op=40).run()
 
-Keys: ``n``/``p`` (or right/left... see ``KEYS``) move by step, ``.``/``,`` by
-op, ``g`` jumps to a step, ``o`` to an op, ``/`` searches a request, ``b`` picks
-a block, the arrow keys move the selected block, ``r`` cycles through the
-requests holding blocks, ``v`` shows or hides the scheduler's bookkeeping ops,
-``?`` is help, ``q`` quits. Below 120 columns the panels stack (pool first, the
-rest scrolls); from 120 on they sit side by side.
+Keys (``KEYS``): ``n``/``p`` (or right/left) move by step, ``.``/``,`` by op,
+``g`` jumps to a step, ``o`` to an op, ``/`` searches a request, ``b`` picks a
+block, up/down (or ``[``/``]``) move the selected block, ``r`` cycles through
+the requests holding blocks, PgDn/PgUp scroll the panels, ``v`` shows or hides
+the scheduler's bookkeeping ops, ``?`` is help, ``q`` quits. Below 120 columns
+the panels stack (pool first, the rest scrolls); from 120 on they sit side by
+side.
 
 Stepping is ``kvref.viz.interactive.Stepper``'s, so the line-mode viewer
 (``--no-interactive``) and this one move the same way.
@@ -47,6 +48,7 @@ KEYS = [
     ("g", "go to step N"), ("o", "go to op N"), ("/", "search a request by id"),
     ("b", "select block N"), ("↑ ↓ [ ]", "move the selected block"),
     ("r", "next request holding blocks"), ("esc", "clear the selection"),
+    ("PgDn PgUp", "scroll the panels (details, ops, tables...)"),
     ("v", "show/hide bookkeeping ops"), ("?", "this help"), ("q", "quit"),
 ]
 
@@ -96,8 +98,9 @@ class KVViewer(App):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE, "-wide")]
     CSS = """
     Screen { layout: vertical; }
-    #header { height: auto; max-height: 3; background: $primary; color: $text; text-style: bold; padding: 0 1; }
-    #narration { height: auto; max-height: 8; padding: 0 1; text-style: italic;
+    #header { height: auto; max-height: 3; background: $primary; color: $text;
+              text-style: bold; padding: 0 1; }
+    #narration { height: auto; max-height: 8; overflow-y: auto; padding: 0 1; text-style: italic;
                  border-bottom: solid $primary-darken-2; }
     #body { height: 1fr; }
     #pool { height: auto; padding: 0 1; }
@@ -130,6 +133,8 @@ class KVViewer(App):
         Binding("down,right_square_bracket", "move_block(1)", "block +", show=False),
         Binding("r", "next_request", "next request", show=False),
         Binding("escape", "clear", "clear", show=False),
+        Binding("pagedown,space", "scroll_panels(1)", "scroll", show=False),
+        Binding("pageup", "scroll_panels(-1)", "scroll up", show=False),
         Binding("v", "toggle_bookkeeping", "bookkeeping"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
@@ -236,6 +241,13 @@ class KVViewer(App):
 
     def action_toggle_bookkeeping(self) -> None:
         self._run("v")
+
+    def action_scroll_panels(self, direction: int) -> None:
+        panels = self.query_one("#right", VerticalScroll)
+        if direction > 0:
+            panels.scroll_page_down(animate=False)
+        else:
+            panels.scroll_page_up(animate=False)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -11,7 +11,8 @@ two functions, so what a picture says about a block is what the manager holds::
 * ``block_details``: state, ref count, hash (hex) and KV cache group, the
   parent hash in its chain (``None`` for a request's first block), the requests
   holding it (per group), its place in the free queue (0 = allocated next), and
-  the ops that touched it so far.
+  the ops that touched it so far (changed its ref count, hash or free-queue
+  membership), the last ones by name.
 * ``request_details``: status, tokens, block ids per group, number of block
   hashes, and the request's ops so far.
 """
@@ -24,6 +25,7 @@ from kvref.core.kv_cache_utils import get_block_hash, get_group_id
 from kvref.viz.player import TracePlayer
 from kvref.viz.pool import block_state
 
+TOUCHES_SHOWN = 5           # the last ops that touched a block, listed by name
 
 @dataclass
 class BlockDetails:
@@ -37,6 +39,7 @@ class BlockDetails:
     free_position: int | None = None        # 0 = the head of the free queue
     free_length: int = 0
     touched_by: list[int] = field(default_factory=list)             # op indices
+    touched_ops: list[str] = field(default_factory=list)            # "free r3", one per index
 
     def lines(self) -> list[str]:
         """The details as short lines of text (what the viewers print)."""
@@ -56,9 +59,11 @@ class BlockDetails:
         elif self.state != "null":
             out.append("not in the free queue (in use)")
         ops = self.touched_by
-        shown = ", ".join(f"#{i}" for i in ops[-8:])
-        out.append(f"touched by {len(ops)} op(s)" + (f": {'… ' if len(ops) > 8 else ''}{shown}"
-                                                    if ops else ""))
+        out.append(f"touched by {len(ops)} op(s)" + (":" if ops else ""))
+        if len(ops) > TOUCHES_SHOWN:
+            out.append(f"  … {len(ops) - TOUCHES_SHOWN} earlier")
+        out += [f"  #{i} {what}" for i, what in zip(ops[-TOUCHES_SHOWN:],
+                                                    self.touched_ops[-TOUCHES_SHOWN:])]
         return out
 
 
@@ -112,7 +117,13 @@ def block_details(player: TracePlayer, block_id: int) -> BlockDetails:
         holders_of(player.manager).get(block_id, []),
         queue.index(block_id) if block_id in queue else None, len(queue),
         list(player.touches.get(block_id, [])))
+    details.touched_ops = [op_label(player.ops[i]) for i in details.touched_by]
     return details
+
+
+def op_label(op: dict) -> str:
+    """An op's name and request: ``allocate_slots r2``."""
+    return f"{op['op']} {op['req']}" if "req" in op else op["op"]
 
 
 def request_details(player: TracePlayer, request_id: str) -> RequestDetails:

@@ -1,8 +1,9 @@
-"""Stepping through a trace with typed commands (``kvref viz``).
+"""Stepping through a trace with typed commands (``kvref viz`` piped, or ``--no-interactive``).
 
 No vLLM counterpart. ``Stepper`` is a pure state machine over a
 ``TracePlayer``: ``handle(line)`` moves it and returns a message, so tests
-script it with a list of commands; ``run_interactive`` is the terminal loop
+script it with a list of commands, and the full-screen viewer
+(``kvref.viz.app``) moves through it too; ``run_interactive`` is the text loop
 around it (one command per line, read with ``input``)::
 
     stepper = Stepper(player)

@@ -181,9 +181,9 @@ class BlockTable:
                              f"{self.max_num_batched_tokens}")
         # All tokens at once (a loop over requests cost ~6 small tensor ops per
         # request per step): each token's row, then its block and offset.
-        counts = torch.tensor([starts[r + 1] - starts[r] for r in range(num_reqs)])
         n = starts[num_reqs]
-        rows = torch.repeat_interleave(torch.arange(num_reqs), counts)
+        rows = torch.tensor([r for r in range(num_reqs) for _ in range(starts[r], starts[r + 1])],
+                            dtype=torch.int64)
         p = pos[:n]
         block_idx = p // self.block_size
         held = torch.tensor(self.num_blocks_per_row[:num_reqs], dtype=torch.int64)[rows]

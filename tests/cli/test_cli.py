@@ -88,6 +88,12 @@ def test_viz_export_writes_an_svg_of_the_grid(recorded, tmp_path):
     assert "◉" in text and "evictable" in text
 
 
+def test_viz_no_interactive_prints_the_frame_asked_for(recorded):
+    result = kvref("viz", recorded, "--op", "40", "--no-interactive")
+    assert result.returncode == 0, result.stderr
+    assert ", op 40/" in result.stdout and "free queue" in result.stdout
+
+
 def test_viz_export_html_is_the_player_of_the_whole_trace(tmp_path):
     html = tmp_path / "player.html"
     result = kvref("viz", "--workload", "prefix-caching", "--op", "30", "--export", html)
@@ -100,8 +106,14 @@ def test_viz_export_html_is_the_player_of_the_whole_trace(tmp_path):
 
 def test_explain_an_op(recorded):
     trace = json.loads(recorded.read_text())
-    i = next(i for i, op in enumerate(trace["ops"]) if op["op"] == "allocate_slots"
-             and op["expect"].get("ret", 1) is None)
+    refused = [i for i, op in enumerate(trace["ops"]) if op["op"] == "allocate_slots"
+               and op["expect"].get("ret", 1) is None]
+    # An admission refused by the full-sequence gate, and a running request's refusal.
+    gated = next(i for i in refused if trace["ops"][i].get("full_sequence_must_fit"))
+    result = kvref("explain", recorded, "--op", gated)
+    assert result.returncode == 0, result.stderr
+    assert "full-sequence gate" in result.stdout
+    i = next(i for i in refused if not trace["ops"][i].get("full_sequence_must_fit"))
     result = kvref("explain", recorded, "--op", i)
     assert result.returncode == 0, result.stderr
     assert "REFUSED by the capacity gate" in result.stdout

@@ -121,7 +121,9 @@ def test_llama_batch_with_prefix_hits_chunks_and_preemption_matches_transformers
 def test_sliding_window_hybrid_model_matches_transformers(arch, device):
     model = hybrid(arch=arch, window=5)
     prompts = shared_prefix_prompts(model.config.vocab_size, seed=1)
-    llm, watcher = make_llm(model, device, num_gpu_blocks=40)
+    # 32 blocks: tight enough that requests admitted whole still preempt each other
+    # as they grow (with 40 the full-sequence admission gate leaves no preemption).
+    llm, watcher = make_llm(model, device, num_gpu_blocks=32)
     groups = llm.kv_cache_config.kv_cache_groups
     assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec",
                                                                 "SlidingWindowSpec"]

@@ -137,8 +137,10 @@ def test_shared_prefix_is_served_from_the_cache():
 def test_num_cached_tokens_is_the_last_admission_before_the_first_token():
     # vLLM reports the hit of the request's PrefillStats, which every admission
     # overwrites until the first output token is out. "a" (16 tokens, prefilled
-    # 4 at a time) is preempted by "b"'s decodes twice before it samples.
-    scheduler = Scheduler(make_manager(7), max_num_batched_tokens=4)
+    # 4 at a time) is preempted by "b"'s decodes twice before it samples. (That
+    # takes admitting "a" before its whole sequence fits: the gate is off.)
+    scheduler = Scheduler(make_manager(7), max_num_batched_tokens=4,
+                          scheduler_reserve_full_isl=False)
     runner = ModelFreeRunner(VOCAB)
     scheduler.new_request("b", list(range(1, 8)), SamplingParams(max_tokens=12,
                                                                  ignore_eos=True))
@@ -156,7 +158,7 @@ def test_num_cached_tokens_is_the_last_admission_before_the_first_token():
     assert a.output_token_ids == runner.reference_output(list(range(20, 36)), 2)
 
 
-def test_a_full_pool_preempts_the_newest_request_back_to_the_front_of_the_queue():
+def test_a_full_pool_preempts_the_last_admitted_request_back_to_the_front_of_the_queue():
     # 5 usable blocks of 4 tokens (block 0 is the null block).
     scheduler = Scheduler(make_manager(6), max_num_batched_tokens=64)
     runner = ModelFreeRunner(VOCAB)
@@ -167,8 +169,8 @@ def test_a_full_pool_preempts_the_newest_request_back_to_the_front_of_the_queue(
     engine_step(scheduler, runner)
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0
     engine_step(scheduler, runner)
-    # "a" needs a 3rd block: the newest, "c", goes; then "b" needs one and is
-    # itself the newest left, so it goes too. "a" keeps running.
+    # "a" needs a 3rd block: the last-admitted, "c", goes; then "b" needs one and
+    # is itself the last-admitted left, so it goes too. "a" keeps running.
     record = scheduler.step_records[1]
     assert record.preempted == ["c", "b"]
     assert record.num_scheduled_tokens == {"a": 1}
@@ -183,7 +185,7 @@ def test_a_full_pool_preempts_the_newest_request_back_to_the_front_of_the_queue(
     assert any(r.resumed == ["c"] for r in scheduler.step_records)
 
 
-def test_a_request_that_is_itself_the_newest_preempts_itself():
+def test_a_request_that_is_itself_the_last_admitted_preempts_itself():
     scheduler = Scheduler(make_manager(5), max_num_batched_tokens=64)
     runner = ModelFreeRunner(VOCAB)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -192,7 +194,7 @@ def test_a_request_that_is_itself_the_newest_preempts_itself():
     engine_step(scheduler, runner)
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0
     engine_step(scheduler, runner)
-    # "a" decodes inside its second block; "b" needs a new one and is the newest.
+    # "a" decodes inside its second block; "b" needs a new one and is the last admitted.
     assert scheduler.step_records[1].num_scheduled_tokens == {"a": 1}
     assert scheduler.step_records[1].preempted == ["b"]
     assert b.status == RequestStatus.PREEMPTED

@@ -94,6 +94,30 @@ def test_tutorial_runs_and_checks_every_claim(path, device, tmp_path):
     ticks = sum(1 for line in lines if line.lstrip().startswith("✓"))
     assert int(checked) == ticks >= sites, \
         f"{path.name}: {checked} claims counted, {ticks} ✓ lines printed, {sites} sites"
+    assert_prose_printed(path, result.stdout)
+
+
+def _plain(text: str) -> str:
+    return " ".join(re.sub(r"[`*_\[\]()#>|]", " ", text).split())
+
+
+def assert_prose_printed(path, stdout: str) -> None:
+    """Run as a script, a lesson prints its markdown cells: the opening words
+    of every paragraph of every cell after the title appear, in order."""
+    sys.path.insert(0, str(TUTORIALS_DIR))
+    from _lesson import markdown_cells
+
+    out, at = _plain(stdout), 0
+    for line, text in markdown_cells(path.read_text(encoding="utf-8"))[1:]:
+        for paragraph in text.split("\n\n"):
+            words = _plain(paragraph).split()
+            if len(words) < 6 or paragraph.lstrip().startswith(("|", "-", "*", "1.", "```")):
+                continue          # tables, lists and code render differently; prose does not
+            probe = " ".join(words[:4])
+            found = out.find(probe, at)
+            assert found >= 0, f"{path.name}: the prose of the cell at line {line} " \
+                               f"({probe!r}...) is not in the output (after position {at})"
+            at = found
 
 
 @pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
@@ -114,6 +138,14 @@ NOTEBOOK_RUNNER = """
 import os, sys, types
 import jupytext
 sys.modules.setdefault("ipykernel", types.ModuleType("ipykernel"))  # as under Jupyter
+try:                                         # what a notebook would show inline
+    import IPython.display as shown
+except ImportError:
+    shown = types.ModuleType("IPython.display")
+    sys.modules["IPython"] = types.ModuleType("IPython")
+    sys.modules["IPython"].display = shown
+    sys.modules["IPython.display"] = shown
+shown.display = lambda obj: print("INLINE", type(obj).__name__)
 path = sys.argv[1]
 os.chdir(os.path.dirname(path))
 sys.path.insert(0, os.path.dirname(path))
@@ -134,8 +166,15 @@ def test_tutorial_runs_cell_by_cell_as_a_notebook(path, tmp_path):
                             env=env, capture_output=True, text=True, encoding="utf-8",
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    match = re.search(r"^LESSON notebook: (\d+) claims checked$", result.stdout, re.M)
+    number = path.name[:2]
+    match = re.search(rf"^LESSON {number} \(notebook\): (\d+) claims checked$", result.stdout,
+                      re.M)
     assert match and int(match.group(1)) >= static_claim_sites(path), result.stdout[-2000:]
+    # Titled by number, as the script is; no progress-bar warning box.
+    assert f"Lesson {number}: " in result.stdout.splitlines()[0] + result.stdout[:2000]
+    assert "TqdmWarning" not in result.stderr and "IProgress" not in result.stderr
+    if "save_figure(" in path.read_text(encoding="utf-8"):
+        assert "INLINE Figure" in result.stdout, f"{path.name}: a figure not shown inline"
 
 
 def env_path() -> str:

@@ -74,6 +74,33 @@ def assert_oriented(app, trace, size):
     assert pool.y >= 2 and pool.bottom <= size[1] - 1        # above the footer
 
 
+def test_at_80x24_every_step_of_multi_turn_shows_its_header_narration_and_pool(multi_turn):
+    """The issue's test: stepping through `kvref record --workload multi-turn` (the
+    vendored trace is exactly what it records) with single keys, at 80x24."""
+    async def script(app, pilot):
+        for k in range(len(app.player.steps)):
+            assert app.player.current_step == k
+            assert_oriented(app, multi_turn, (80, 24))
+            await pilot.press("n")
+            await pilot.pause()
+
+    drive(multi_turn, (80, 24), script)
+
+
+def test_the_grid_uses_the_width():
+    """More cells per row on a wider terminal (the pool is the same)."""
+    trace = read_trace(TRACES / "kvref-multi-turn.json.gz")
+    rows = {}
+
+    async def script(app, pilot):
+        first = next(line for line in screen_lines(app) if "0∅" in line)
+        rows[app.size.width] = len(first.split())
+
+    for size in SIZES:
+        drive(trace, size, script)
+    assert rows[80] == 80 // 7 and rows[160] > rows[80]
+
+
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_every_key_moves_to_the_right_place_and_keeps_header_and_narration(multi_turn, size):
     steps = TracePlayer(multi_turn).steps
@@ -96,6 +123,11 @@ def test_every_key_moves_to_the_right_place_and_keeps_header_and_narration(multi
             assert app.player.position == position, key
             assert_oriented(app, multi_turn, size)
         assert "all ops" in screen_lines(app)[0]           # v shows bookkeeping ops
+        if size[0] >= 120:                                  # the ops panel is in view
+            assert ".num_computed_tokens = " in "\n".join(screen_lines(app))
+            await pilot.press("v")
+            await pilot.pause()
+            assert ".num_computed_tokens = " not in "\n".join(screen_lines(app))
         await pilot.press("q")
 
     app = drive(multi_turn, size, script)
@@ -123,12 +155,15 @@ async def check_block_details(app, pilot, trace, size, holds):
     assert f"block {block.block_id}: " in text
     assert f"ref count {block.ref_cnt}" in text
     assert get_block_hash(block.block_hash).hex()[:16] in text
-    holders = [rid for rid, blocks in
-               ref.manager.coordinator.single_type_managers[0].req_to_blocks.items()
-               if block in blocks]
+    tables = ref.manager.coordinator.single_type_managers[0].req_to_blocks
+    holders = [rid for rid, blocks in tables.items() if block in blocks]
     assert len(holders) == block.ref_cnt
     if holders:
         assert "held by " + ", ".join(f"{r} (g0)" for r in holders) in text
+        # The parent is the hash before this block's in a holder's chain.
+        i = tables[holders[0]].index(block)
+        parent = ref.requests[holders[0]].block_hashes[i - 1].hex()[:16] if i else None
+        assert (f"parent {parent}…" if parent else "parent: first block of its chain") in text
     else:
         assert "held by no request" in text
         assert f"position {queue.index(block.block_id)} of {len(queue)}" in text
@@ -199,6 +234,10 @@ def test_help_opens_and_any_key_closes_it_and_edges_say_so(multi_turn):
         await pilot.press("x")
         await pilot.pause()
         assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("pagedown")
+        await pilot.pause()
+        assert app.query_one("#right").scroll_y > 0          # the panels below the pool
+        assert_oriented(app, multi_turn, (80, 24))
         await pilot.press("o", "9", "9", "9", "9", "enter")
         await pilot.pause()
         assert "no op 9999" in top(app)

@@ -123,6 +123,7 @@ def hover_and_compare(driver, reference: TracePlayer, holds) -> bool:
 
 @pytest.mark.parametrize("name", ["hybrid", "pressure"])
 def test_keys_and_sliders_show_the_managers_state(browser, name, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
@@ -161,11 +162,36 @@ def test_keys_and_sliders_show_the_managers_state(browser, name, tmp_path):
                       lambda b: b.ref_cnt == 1 and b.block_hash is None):
             hovered += hover_and_compare(browser, reference, holds)
     assert hovered >= 5
+    # A click keeps a block's details when the mouse leaves it.
+    cell = browser.find_element(By.CSS_SELECTOR, '#grid .cell[data-block="3"]')
+    ActionChains(browser).click(cell).move_to_element(
+        browser.find_element(By.ID, "pos")).perform()
+    assert browser.find_element(By.ID, "details").text.splitlines() == \
+        block_details(reference, 3).lines()
+    body.send_keys(Keys.ESCAPE)
+    # Jumps and the request search ask with a prompt, as the terminal's g, o and / do.
+    ActionChains(browser).move_to_element(browser.find_element(By.ID, "pos")).perform()
+    for key, answer, op in (("o", "100", 100), ("g", "5", ends[5])):
+        body.send_keys(key)
+        alert = browser.switch_to.alert
+        alert.send_keys(answer)
+        alert.accept()
+        assert_shows_the_manager(browser, reference, op)
+    rid = next(r for r, q in reference.requests.items() if any(reference.manager.get_block_ids(r)))
+    body.send_keys("/")
+    alert = browser.switch_to.alert
+    alert.send_keys(rid)
+    alert.accept()
+    card = browser.find_element(By.ID, "details").text
+    req = reference.requests[rid]
+    assert card.startswith(f"request {rid}: {req.status.name.lower()}, "
+                           f"{req.num_computed_tokens}/{req.num_tokens} tokens computed")
+    body.send_keys(Keys.ESCAPE)
     # Colour by request: every held cell gets a colour; states stay.
     body.send_keys("c")
     assert browser.execute_script(
         "return [...document.querySelectorAll('#grid .cell.held')].every(c => c.style.background)")
-    assert_shows_the_manager(browser, reference, ends[2 * len(ends) // 3])
+    assert_shows_the_manager(browser, reference, ends[5])
     assert console_errors(browser) == []
     assert_nothing_left_the_page(browser, path)
 

@@ -20,7 +20,8 @@ def pressure():
 def test_a_refused_allocation_names_the_gate_and_the_shortfall(pressure):
     trace, facts = pressure
     refused = next(f for f in facts if f.op["op"] == "allocate_slots"
-                   and f.observed.get("ret") is None)
+                   and f.observed.get("ret") is None
+                   and not f.op.get("full_sequence_must_fit"))
     player = TracePlayer(trace)
     player.seek(refused.index)
     free = player.manager.block_pool.get_num_free_blocks()
@@ -29,6 +30,23 @@ def test_a_refused_allocation_names_the_gate_and_the_shortfall(pressure):
     needed = int(text.split("needs ")[1].split(" blocks")[0])
     watermark = int(text.split(" + ")[1].split(" watermark")[0])
     assert f"short by {needed + watermark - free}" in text and needed + watermark > free
+
+
+def test_a_refused_admission_names_the_full_sequence_gate(pressure):
+    # The scheduler admits a waiting request only if its whole sequence fits
+    # (vLLM's scheduler_reserve_full_isl): the pressure workload's first refusal.
+    trace, facts = pressure
+    refused = next(f for f in facts if f.op["op"] == "allocate_slots"
+                   and f.observed.get("ret") is None)
+    assert refused.op.get("full_sequence_must_fit") is True
+    player = TracePlayer(trace)
+    player.seek(refused.index)
+    free = player.manager.block_pool.get_num_free_blocks()
+    text = "\n".join(explain(trace, refused.index))
+    assert "full-sequence gate: the whole request needs" in text
+    needed = int(text.split("needs ")[1].split(" blocks")[0])
+    watermark = int(text.split(" + ")[1].split(" watermark")[0])
+    assert f"{free} are free: short by {needed + watermark - free}" in text
 
 
 def test_an_evicting_allocation_lists_the_evicted_blocks(pressure):

@@ -14,6 +14,7 @@
   };
   const GLYPH = {}, COLOUR = {};
   for (const [state, glyph, colour] of D.legend) { GLYPH[state] = glyph; COLOUR[state] = colour; }
+  const TOUCHES_SHOWN = 5;      // as kvref/viz/details.py
   const PALETTE = ["#4aa3ff", "#3ccf4e", "#f0a030", "#e05d9b", "#9b7ede", "#35c3c3", "#d9d94a",
                    "#ff7f50", "#7fbf7f", "#c08040", "#6f8fff", "#ff5a5a"];
 
@@ -182,9 +183,11 @@
       out.push("not in the free queue (in use)");
     }
     const ops = (D.touches[id] || []).filter((i) => i <= k);
-    const shown = ops.slice(-8).map((i) => "#" + i).join(", ");
-    out.push(`touched by ${ops.length} op(s)` +
-             (ops.length ? ": " + (ops.length > 8 ? "… " : "") + shown : ""));
+    out.push(`touched by ${ops.length} op(s)` + (ops.length ? ":" : ""));
+    if (ops.length > TOUCHES_SHOWN) out.push(`  … ${ops.length - TOUCHES_SHOWN} earlier`);
+    for (const i of ops.slice(-TOUCHES_SHOWN)) {
+      out.push(`  #${i} ${D.ops[i][0]}` + (D.ops[i][1] ? " " + D.ops[i][1] : ""));
+    }
     return out;
   }
   function requestLines(r, st, k) {
@@ -204,7 +207,8 @@
       $("tree-title").textContent = "prefix tree: no full-attention group to draw";
       return;
     }
-    $("tree-title").textContent = `prefix tree (${D.groups[gid]}: requests sharing a prefix share a branch)`;
+    $("tree-title").textContent =
+      `prefix tree (${D.groups[gid]}: requests sharing a prefix share a branch)`;
     const root = new Map();
     for (const r in st.reqs) {
       let node = root;
@@ -314,7 +318,10 @@
     let any = false, taken = false;
     for (let i = start; i <= k; i++) {
       if (D.ops[i][0] === "take_events") taken = true;
-      for (const line of D.frames[i].e || []) { events.appendChild(el("div", null, line)); any = true; }
+      for (const line of D.frames[i].e || []) {
+        events.appendChild(el("div", null, line));
+        any = true;
+      }
     }
     if (!any) events.textContent = taken ? "none" : "not taken yet this step";
     const tables = $("tables");
@@ -379,7 +386,12 @@
     first() { say(""); go(0); },
     last() { say(""); go(N - 1); },
     play() {
-      if (view.timer) { clearInterval(view.timer); view.timer = null; $("b-play").textContent = "▶ play"; return; }
+      if (view.timer) {
+        clearInterval(view.timer);
+        view.timer = null;
+        $("b-play").textContent = "▶ play";
+        return;
+      }
       $("b-play").textContent = "⏸ pause";
       view.timer = setInterval(() => {
         if (stepOf[view.op] >= S - 1) { moves.play(); return; }
@@ -391,7 +403,9 @@
       const answer = window.prompt(`${what} number, 0..${top}`);
       if (answer === null || answer.trim() === "") return;
       const n = Number(answer);
-      if (!Number.isInteger(n) || n < 0 || n > top) return say(`no ${what} ${answer.trim()}: ${what}s are 0..${top}`);
+      if (!Number.isInteger(n) || n < 0 || n > top) {
+        return say(`no ${what} ${answer.trim()}: ${what}s are 0..${top}`);
+      }
       say(""); go(what === "step" ? stepEnd(n) : n);
     },
     search() {
@@ -435,7 +449,10 @@
     box.addEventListener("mouseleave", () => { view.hover = null; drawDetails(); });
     box.addEventListener("click", (e) => {
       const id = blockOf(e);
-      if (id !== null) { view.pinned = id === view.pinned ? null : id; view.request = null; draw(); }
+      if (id === null) return;
+      view.pinned = id === view.pinned ? null : id;
+      view.request = null;
+      draw();
     });
   }
   $("tables").addEventListener("click", (e) => {
@@ -457,11 +474,17 @@
       g: () => moves.ask("step"), o: () => moves.ask("op"), "/": moves.search,
       c: () => $("colour-by-request").click(), v: () => $("bookkeeping").click(),
       "?": () => { $("help").hidden = !$("help").hidden; },
-      Escape: () => { view.pinned = view.request = null; $("help").hidden = true; say(""); draw(); },
+      Escape: () => {
+        view.pinned = view.request = null;
+        $("help").hidden = true;
+        say("");
+        draw();
+      },
     }[key];
     if (!action) return;
     // A focused slider moves itself with the arrows and Home/End; its input event follows.
-    if (onSlider && ["ArrowRight", "ArrowLeft", "Home", "End", "PageUp", "PageDown"].includes(key)) return;
+    const sliderKeys = ["ArrowRight", "ArrowLeft", "Home", "End", "PageUp", "PageDown"];
+    if (onSlider && sliderKeys.includes(key)) return;
     e.preventDefault();
     action();
   });

@@ -1,0 +1,246 @@
+"""Replay vLLM 0.25.1 scheduler traces on kvref's engine and compare every decision.
+
+A trace (format ``kvref-vllm-scheduler-trace/1``, written by
+``tools/record_vllm_scheduler.py``) holds runs of vLLM's own ``Scheduler`` or
+``AsyncScheduler``: the configuration, the arrivals (which engine iteration
+each request arrived before), and one event per ``schedule()`` and per
+``update_from_output()`` call, in call order:
+
+* ``schedule``: the requests scheduled and their token counts (in batch
+  order), the new / resumed / preempted ids, the finished ids the output
+  reports, the draft tokens scheduled, each scheduled request's
+  ``num_computed_tokens`` (as the output carries it) and block table (per KV
+  cache group), the free blocks, the running and waiting queues, and under
+  async scheduling each scheduled request's ``num_output_placeholders``;
+* ``update``: which step's output was applied, the tokens each request
+  sampled, the requests that finished (and why), the free blocks and queues.
+
+The replay builds kvref's ``KVCacheManager`` and ``Scheduler`` (or
+``AsyncScheduler``) from the configuration, runs them with kvref's
+``ModelFreeRunner`` and kvref's own engine loop, and records the same events
+from kvref's objects. The tokens and drafts are not read from the trace: the
+runner's hash and kvref's ``NgramProposer`` compute them, so equal ``sampled``
+fields also show that both sides share the model and the drafting rule.
+Use::
+
+    for result in replay_file("tests/engine/vllm_scheduler_traces/tight.json.gz"):
+        print(result.name, result.divergence or "identical")
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvref.core.kv_cache_manager import KVCacheManager
+from kvref.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                      SlidingWindowSpec)
+
+TRACE_FORMAT = "kvref-vllm-scheduler-trace/1"
+
+__all__ = ["ReplayResult", "TRACE_FORMAT", "build_engine", "load_trace", "replay_file",
+           "replay_run"]
+
+
+@dataclass
+class ReplayResult:
+    """One run replayed: how many steps agreed, and the first divergence (None if none)."""
+
+    name: str
+    num_steps: int                 # schedule() calls in the trace
+    num_events: int
+    divergence: str | None
+    divergent_steps: int           # schedule events that differ (0 when identical)
+
+
+def load_trace(path: str | Path) -> dict:
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    if doc.get("format") != TRACE_FORMAT:
+        raise ValueError(f"{path}: not a {TRACE_FORMAT} trace (format {doc.get('format')!r})")
+    return doc
+
+
+def build_engine(config: dict):
+    """kvref's scheduler and model-free runner for a trace configuration."""
+    from kvref.engine.model_free_runner import ModelFreeRunner
+    from kvref.engine.ngram_proposer import NgramProposer
+    from kvref.engine.async_scheduler import AsyncScheduler
+    from kvref.engine.scheduler import Scheduler
+
+    bs = config["block_size"]
+    groups = []
+    for i, g in enumerate(config["groups"]):
+        if g["kind"] == "full":
+            spec = FullAttentionSpec(bs, num_kv_heads=1, head_size=64)
+        elif g["kind"] == "sliding_window":
+            spec = SlidingWindowSpec(bs, g["sliding_window"], num_kv_heads=1, head_size=64)
+        else:
+            raise ValueError(f"unknown KV cache group kind {g['kind']!r}")
+        groups.append(KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec))
+    manager = KVCacheManager(
+        KVCacheConfig(config["num_blocks"], groups), max_model_len=config["max_model_len"],
+        scheduler_block_size=bs, hash_block_size=bs,
+        max_num_batched_tokens=config["max_num_batched_tokens"],
+        enable_caching=config["enable_prefix_caching"], log_stats=True,
+        watermark=config["watermark"])
+    spec = config["speculative"]
+    cls = AsyncScheduler if config["async_scheduling"] else Scheduler
+    scheduler = cls(
+        manager, max_num_batched_tokens=config["max_num_batched_tokens"],
+        max_num_seqs=config["max_num_seqs"], max_model_len=config["max_model_len"],
+        long_prefill_token_threshold=config["long_prefill_token_threshold"],
+        scheduler_reserve_full_isl=config["scheduler_reserve_full_isl"],
+        num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0,
+        eos_token_id=config["eos_token_id"])
+    drafter = None
+    if spec:
+        drafter = NgramProposer(spec["prompt_lookup_min"], spec["prompt_lookup_max"],
+                                spec["num_speculative_tokens"], config["max_model_len"])
+    runner = ModelFreeRunner(config["vocab_size"], drafter=drafter,
+                             async_scheduling=config["async_scheduling"])
+    return scheduler, runner
+
+
+class _EventLog:
+    """Wraps a scheduler's schedule/update_from_output to log trace events."""
+
+    def __init__(self, scheduler, async_scheduling: bool) -> None:
+        self.events: list[dict] = []
+        self.num_schedules = 0
+        self.step_of: dict[int, int] = {}           # id(SchedulerOutput) -> step
+        self.scheduler = scheduler
+        self.async_scheduling = async_scheduling
+        schedule, update = scheduler.schedule, scheduler.update_from_output
+        scheduler.schedule = lambda: self._schedule(schedule)
+        scheduler.update_from_output = lambda so, ro: self._update(update, so, ro)
+
+    def _queues(self) -> dict:
+        return {"running": [r.request_id for r in self.scheduler.running],
+                "waiting": [r.request_id for r in self.scheduler.waiting]}
+
+    def _schedule(self, schedule):
+        sched = self.scheduler
+        out = schedule()
+        manager = sched.kv_cache_manager
+        cached = out.scheduled_cached_reqs
+        nc = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        for i, rid in enumerate(cached.req_ids):
+            nc[rid] = cached.num_computed_tokens[i]
+        event = {
+            "op": "schedule", "step": self.num_schedules,
+            "tokens": [[rid, n] for rid, n in out.num_scheduled_tokens.items()],
+            "new": [r.req_id for r in out.scheduled_new_reqs],
+            "resumed": sorted(cached.resumed_req_ids),
+            "preempted": sorted(out.preempted_req_ids),
+            "finished": sorted(out.finished_req_ids),
+            "spec": {rid: list(t) for rid, t in out.scheduled_spec_decode_tokens.items()},
+            "nc": nc,
+            "blocks": {rid: [list(ids) for ids in manager.get_block_ids(rid)]
+                       for rid in out.num_scheduled_tokens},
+            "free": manager.block_pool.get_num_free_blocks(),
+            **self._queues(),
+        }
+        if self.async_scheduling:
+            event["placeholders"] = {rid: sched.requests[rid].num_output_placeholders
+                                     for rid in out.num_scheduled_tokens}
+        self.events.append(event)
+        self.step_of[id(out)] = self.num_schedules
+        self.num_schedules += 1
+        return out
+
+    def _update(self, update, out, runner_output):
+        finished = update(out, runner_output)
+        sampled = {rid: list(runner_output.sampled_token_ids[i])
+                   for i, rid in enumerate(runner_output.req_ids)
+                   if runner_output.sampled_token_ids[i]}
+        self.events.append({
+            "op": "update", "step": self.step_of.pop(id(out)),
+            "sampled": sampled,
+            "finished": [[r.request_id, r.get_finished_reason()] for r in finished],
+            "free": self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            **self._queues(),
+        })
+        return finished
+
+
+def _diff(expected: Any, actual: Any, path: str = "") -> str | None:
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        for key in sorted(set(expected) | set(actual)):
+            if key not in actual:
+                return f"{path}.{key}: kvref has none, vLLM {expected[key]!r}"
+            if key not in expected:
+                return f"{path}.{key}: vLLM has none, kvref {actual[key]!r}"
+            found = _diff(expected[key], actual[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if expected != actual:
+        return f"{path}: vLLM {expected!r}, kvref {actual!r}"
+    return None
+
+
+def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> ReplayResult:
+    """Replay one run of a trace on kvref; compare event by event."""
+    from kvref.engine.core import make_engine_core
+    from kvref.engine.sampling_params import SamplingParams
+
+    config = run["config"]
+    scheduler, runner = build_engine(config)
+    log = _EventLog(scheduler, config["async_scheduling"])
+    loop = make_engine_core(scheduler, runner)
+    pending = sorted(run["arrivals"], key=lambda a: a[0])
+    iteration = 0
+    error = None
+    try:
+        while pending or loop.has_work():
+            if not loop.has_work():
+                iteration = max(iteration, pending[0][0])     # idle: jump to the next arrival
+            while pending and pending[0][0] <= iteration:
+                _, rid, prompt, params = pending.pop(0)
+                scheduler.new_request(rid, prompt, SamplingParams(
+                    max_tokens=params["max_tokens"], ignore_eos=params.get("ignore_eos", True),
+                    min_tokens=params.get("min_tokens", 0),
+                    stop_token_ids=tuple(params.get("stop_token_ids") or ())))
+            loop.step()
+            scheduler.kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())
+            iteration += 1
+            if iteration > max_iterations:
+                raise RuntimeError("the replay did not finish")
+    except Exception as exc:        # a crash is a divergence too, reported where it happened
+        error = f"kvref raised {type(exc).__name__}: {exc}"
+    finally:
+        loop.shutdown()
+
+    expected = run["events"]
+    actual = log.events
+    first = None
+    bad_steps: set[int] = set()          # steps whose schedule or update event differs
+    for i, want in enumerate(expected):
+        got = actual[i] if i < len(actual) else None
+        found = (f"kvref stopped after {len(actual)} events" if got is None
+                 else _diff(want, got))
+        if found:
+            if first is None:
+                first = f"event {i} ({want['op']} step {want['step']}): {found}"
+            bad_steps.add(want["step"])
+    if len(actual) > len(expected):
+        if first is None:
+            first = f"kvref has {len(actual) - len(expected)} events more than vLLM"
+        bad_steps.update(e["step"] for e in actual[len(expected):])
+    divergent_steps = len(bad_steps)
+    if error and first is None:
+        first = error
+        divergent_steps = max(divergent_steps, 1)
+    elif error:
+        first = f"{first} ({error})"
+    num_steps = sum(1 for e in expected if e["op"] == "schedule")
+    return ReplayResult(name, num_steps, len(expected), first, divergent_steps)
+
+
+def replay_file(path: str | Path) -> list[ReplayResult]:
+    doc = load_trace(path)
+    return [replay_run(run, f"{doc['profile']}[{i}]") for i, run in enumerate(doc["runs"])]
