@@ -755,7 +755,8 @@ CATALOGUES = {"core": lambda: CATALOGUE, "tensor-engine": lambda: TENSOR_ENGINE_
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-k", dest="select", default="", help="only bug ids containing this")
+    parser.add_argument("-k", dest="select", default="",
+                        help="only bug ids containing this (or any of several, comma-separated)")
     parser.add_argument("--catalogue", choices=sorted(CATALOGUES), default="core",
                         help="core: the KV layer against tests/stateful; tensor-engine: "
                              "worker, attention and engine against tests/tensor+tests/engine")
@@ -774,7 +775,8 @@ def main(argv: list[str] | None = None) -> int:
     tensor_engine = args.catalogue == "tensor-engine"
     if tensor_engine and args.also_other_suites:
         parser.error("--also-other-suites is for the core catalogue")
-    bugs = [b for b in CATALOGUES[args.catalogue]() if args.select in b.bug_id]
+    wanted = args.select.split(",")
+    bugs = [b for b in CATALOGUES[args.catalogue]() if any(w in b.bug_id for w in wanted)]
     if args.list:
         for bug in bugs:
             print(f"{bug.bug_id:30} {bug.kind:14} {bug.path:40} {bug.description}")
