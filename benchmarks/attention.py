@@ -75,10 +75,11 @@ def build_case(num_reqs: int, context: int, query_len: int, device: str, dtype):
     as a pool that has been in use a while would hand them out."""
     import torch
     from kvref.attention import write_kv
+    from kvref.math_utils import cdiv
 
     gen = torch.Generator().manual_seed(0)
     seq_len = context + query_len
-    blocks_per_req = -(-seq_len // BLOCK_SIZE)
+    blocks_per_req = cdiv(seq_len, BLOCK_SIZE)
     num_blocks = num_reqs * blocks_per_req + 1            # + the null block
     perm = torch.randperm(num_blocks - 1, generator=gen) + 1
     block_table = perm.reshape(num_reqs, blocks_per_req).to(device)

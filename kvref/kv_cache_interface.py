@@ -39,6 +39,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from kvref.math_utils import cdiv
+
 # Bytes per element of the KV cache dtypes kvref knows (names as torch spells them).
 _DTYPE_SIZES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
                 "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -61,11 +63,6 @@ class KVCacheSpecKind(str, enum.Enum):
 def _positive_int(name: str, value: object, owner: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for ``a`` tokens of ``b`` per block."""
-    return -(-a // b)
 
 
 def get_dtype_size(dtype: object) -> int:
@@ -188,7 +185,7 @@ class SlidingWindowSpec(AttentionSpec):
         was sized for is never refused for good."""
         num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens,
                          max_model_len)
-        return math.ceil(num_tokens / self.block_size) + 1
+        return cdiv(num_tokens, self.block_size) + 1
 
     def max_num_blocks_per_request(self, *, max_model_len: int,
                                    max_num_batched_tokens: int | None = None,
@@ -217,7 +214,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         the full-sequence admission check)."""
         num_tokens = min(self.attention_chunk_size + max_num_batched_tokens,
                          max_model_len)
-        return math.ceil(num_tokens / self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def max_num_blocks_per_request(self, *, max_model_len: int,
                                    max_num_batched_tokens: int | None = None,

@@ -132,6 +132,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # BlockHash values (kvref.core.kv_cache_utils); the vocabulary does not import the core.
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()

@@ -523,4 +523,4 @@ def test_prefix_hit_2_flags_vllm_0_25_1_eagle_with_mamba():
     assert num_hit == 8 and len(hit.blocks[0]) == 1       # vLLM 0.25.1's answer
     with pytest.raises(InvariantViolation) as info:
         check_prefix_hit(manager, b, hit, num_hit)
-    assert info.value.invariant == "INV-HIT-2" and "group 0's hit has 1 blocks" in str(info.value)
+    assert info.value.invariant == "INV-HIT-2" and "group 0's hit has 1 block of" in str(info.value)

@@ -91,3 +91,115 @@ def test_core_module_names_the_vllm_file_it_mirrors(name):
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     expected = "vllm/v1/core/" + path.name
     assert expected in doc, f"{path} should say in its docstring that it mirrors {expected}"
+
+
+# -- one formula per fact -------------------------------------------------------
+
+REPO = PACKAGE.parent
+SOURCE_DIRS = ("kvref", "tests", "tutorials", "benchmarks", "tools")
+
+
+def _repo_sources() -> list[pathlib.Path]:
+    return sorted(p for d in SOURCE_DIRS for p in (REPO / d).rglob("*.py"))
+
+
+def ceil_divisions(tree: ast.AST) -> list[int]:
+    """Lines that spell a ceiling division out: ``-(-a // b)``, ``-(a // -b)``,
+    ``math.ceil(a / b)`` (``cdiv`` is the one spelling)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and \
+                isinstance(node.operand, ast.BinOp) and \
+                isinstance(node.operand.op, ast.FloorDiv) and any(
+                    isinstance(side, ast.UnaryOp) and isinstance(side.op, ast.USub)
+                    for side in (node.operand.left, node.operand.right)):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Call) and len(node.args) == 1 and \
+                isinstance(node.args[0], ast.BinOp) and isinstance(node.args[0].op, ast.Div):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name == "ceil":
+                found.append(node.lineno)
+    return found
+
+
+def test_the_ceil_division_finder_finds_every_spelling():
+    tree = ast.parse("a = -(-n // b)\nb = -(n // -b)\nc = math.ceil(n / b)\n"
+                     "d = ceil(n / b)\ne = -(n // b)\nf = cdiv(n, b)\n")
+    assert ceil_divisions(tree) == [1, 2, 3, 4]
+
+
+def test_cdiv_is_defined_once_and_never_spelled_out():
+    definitions, spelled = [], []
+    for path in _repo_sources():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        rel = path.relative_to(REPO).as_posix()
+        definitions += [rel for node in ast.walk(tree)
+                        if isinstance(node, ast.FunctionDef) and node.name == "cdiv"]
+        # tools/ scripts also run in vLLM's own environment, where kvref may not import.
+        if rel != "kvref/math_utils.py" and not rel.startswith("tools/"):
+            spelled += [f"{rel}:{line}" for line in ceil_divisions(tree)]
+    assert definitions == ["kvref/math_utils.py"]
+    assert spelled == [], "use kvref.math_utils.cdiv"
+
+
+# -- what the core may import -----------------------------------------------------
+
+CORE_ORDER = ["kvref.core.kv_cache_manager", "kvref.core.kv_cache_coordinator",
+              "kvref.core.single_type_kv_cache_manager", "kvref.core.block_pool",
+              "kvref.core.kv_cache_utils"]
+VOCABULARY = {"kvref.kv_cache_interface", "kvref.request", "kvref.kv_events", "kvref.stats",
+              "kvref.hashing", "kvref.math_utils"}
+INVARIANT_CHECKER = "kvref.verify.invariants"
+
+
+def _kvref_imports(path: pathlib.Path) -> set[str]:
+    """The kvref modules ``path`` imports from (``from kvref.x import y`` -> ``kvref.x``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and \
+                node.module.split(".")[0] == "kvref":
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "kvref")
+    return found
+
+
+def test_core_imports_only_down_the_core_the_vocabulary_and_the_checker():
+    modules = _modules()
+    assert sorted(CORE_ORDER) == sorted(n for n in modules if n.startswith("kvref.core."))
+    for i, name in enumerate(CORE_ORDER):
+        allowed = set(CORE_ORDER[i + 1:]) | VOCABULARY | {INVARIANT_CHECKER}
+        stray = _kvref_imports(modules[name]) - allowed
+        assert not stray, f"{name} imports {sorted(stray)}; the core imports only down " \
+                          f"{CORE_ORDER}, {sorted(VOCABULARY)} and {INVARIANT_CHECKER}"
+    for name in VOCABULARY:
+        stray = {m for m in _kvref_imports(modules[name]) if m.startswith("kvref.core")}
+        assert not stray, f"{name} is vocabulary: it must not import the core ({stray})"
+
+
+# -- private stays private ----------------------------------------------------------
+
+def private_imports(tree: ast.AST, folder: pathlib.Path) -> list[str]:
+    """``from module import _name`` where the module is ours (``kvref``, a relative
+    import, or a file next to the importer): a private helper used outside its
+    module. (tools/ may reach into vLLM's privates: that is vLLM's code.)"""
+    def ours(node: ast.ImportFrom) -> bool:
+        top = (node.module or "").split(".")[0]
+        return node.level > 0 or top == "kvref" or (folder / f"{top}.py").exists()
+
+    return [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and ours(node)
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_the_private_import_finder_finds_one():
+    tree = ast.parse("from kvref.attention.paged_attention import _as_ints, attend\n"
+                     "from __future__ import annotations\nfrom _lesson import claim\n"
+                     "from vllm.v1.spec_decode.ngram_proposer import _private\n")
+    assert private_imports(tree, REPO / "tutorials") == ["_as_ints"]
+
+
+def test_no_underscore_name_is_imported_across_modules():
+    found = [f"{p.relative_to(REPO).as_posix()}: {name}" for p in _repo_sources()
+             for name in private_imports(ast.parse(p.read_text(encoding="utf-8")), p.parent)]
+    assert found == [], "a helper another module needs is public (drop the underscore)"

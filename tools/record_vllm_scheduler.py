@@ -123,6 +123,18 @@ PROFILES: dict[str, dict] = {
     "llm_defaults": dict(runs=10, block_size=4, blocks=(18, 40), max_model_len=(32, 64),
                          budget=None, max_num_seqs=None, requests=(6, 12), prompt=(4, 30),
                          outputs=(2, 16), shared_prefix=0.4, vocab=64, llm_defaults=True),
+    # Small budgets, long drafts, repeated prompts: the 1 + k padding often does
+    # not fit the budget left, and vLLM then stops admitting (its refusal branch).
+    "ngram_small_budget": dict(runs=16, block_size=4, blocks=(32, 64), max_model_len=48,
+                               budget=(4, 9), max_num_seqs=(2, 4), requests=(5, 9),
+                               prompt=(4, 24), outputs=(4, 16), shared_prefix=0.3, vocab=5,
+                               spec=(2, 4), repetitive=True, duplicates=0.6),
+    # Full + sliding window with different block sizes (4 and 8): the scheduler
+    # block size is their lcm, the hash block size their gcd.
+    "mixed_block_sizes": dict(runs=10, block_size=4, blocks=(24, 48), max_model_len=64,
+                              budget=(8, 24), max_num_seqs=(3, 6), requests=(5, 9),
+                              prompt=(4, 40), outputs=(4, 20), shared_prefix=0.4, vocab=64,
+                              sliding_window=(8, 16), mixed=True),
     # Asynchronous scheduling (AsyncScheduler + the batch queue).
     "async": dict(runs=24, block_size=4, blocks=(32, 64), max_model_len=64, budget=(8, 32),
                   max_num_seqs=(3, 6), requests=(5, 9), prompt=(4, 40), outputs=(1, 16),
@@ -169,6 +181,9 @@ def draw_run(profile: dict, seed: int) -> dict:
     if "sliding_window" in profile:
         groups.append({"kind": "sliding_window",
                        "sliding_window": pick(profile["sliding_window"])})
+    if profile.get("mixed"):
+        # One group gets twice the block size: full 8 + window 4, or full 4 + window 8.
+        groups[rng.randrange(2)]["block_size"] = 2 * block_size
     spec = None
     if "spec" in profile:
         low = rng.randint(1, 2)
@@ -191,7 +206,7 @@ def draw_run(profile: dict, seed: int) -> dict:
                   async_scheduling=profile.get("async_scheduling", False), speculative=spec,
                   vocab_size=vocab, eos_token_id=eos)
     # The pool must hold one full-length request (vLLM refuses to start otherwise).
-    per_request = sum(-(-max_model_len // block_size) for _ in groups)
+    per_request = sum(-(-max_model_len // g.get("block_size", block_size)) for g in groups)
     config["num_blocks"] = max(config["num_blocks"], per_request + 1)
 
     prefixes = [[rng.randrange(1000) for _ in range(rng.randint(4, 16))] for _ in range(3)]
@@ -252,7 +267,8 @@ class VllmRun:
         from vllm.config import (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                                  SpeculativeConfig, VllmConfig)
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.kv_cache_utils import (get_request_block_hasher, init_none_hash,
+                                                 resolve_kv_cache_block_sizes)
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
@@ -296,7 +312,8 @@ class VllmRun:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
         groups = []
         for i, g in enumerate(config["groups"]):
-            attn = dict(block_size=bs, num_kv_heads=1, head_size=64, dtype=torch.float16)
+            attn = dict(block_size=g.get("block_size", bs), num_kv_heads=1, head_size=64,
+                        dtype=torch.float16)
             if g["kind"] == "full":
                 kv_spec = FullAttentionSpec(**attn)
             else:
@@ -305,12 +322,16 @@ class VllmRun:
         kv_cache_config = KVCacheConfig(num_blocks=config["num_blocks"], kv_cache_tensors=[],
                                         kv_cache_groups=groups)
         vllm_config.cache_config.num_gpu_blocks = config["num_blocks"]
+        # As EngineCore does: one group, its block size; several, their lcm and gcd.
+        sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        if any("block_size" in g for g in config["groups"]):
+            config["scheduler_block_size"], config["hash_block_size"] = sched_bs, hash_bs
         cls = AsyncScheduler if config["async_scheduling"] else Scheduler
         self.scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                              structured_output_manager=StructuredOutputManager(vllm_config),
-                             block_size=bs, hash_block_size=bs, log_stats=True)
+                             block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
         init_none_hash(sha256)
-        self.block_hasher = get_request_block_hasher(bs, sha256)
+        self.block_hasher = get_request_block_hasher(hash_bs, sha256)
         self.worker = Worker(config)
         self.events: list[dict] = []
         self.num_schedules = 0
@@ -616,7 +637,8 @@ def main(argv=None) -> int:
                 run["seed"] = seed
             recipe = profile
         else:
-            parser.error(f"unknown profile {name!r} (known: {sorted(FIXED_RUNS) + sorted(PROFILES)})")
+            known = sorted(FIXED_RUNS) + sorted(PROFILES)
+            parser.error(f"unknown profile {name!r} (known: {', '.join(known)})")
         doc = {"format": FORMAT, "vllm_version": vllm.__version__, "profile": name,
                "recipe": recipe, "pythonhashseed": os.environ["PYTHONHASHSEED"],
                "summary": summarize(runs), "runs": runs}
@@ -626,7 +648,8 @@ def main(argv=None) -> int:
         path = args.out / f"{name}.json.gz"
         with gzip.GzipFile(path, "wb", mtime=0) as f:
             f.write(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())
-        print(f"{name}: {doc['summary']} -> {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        print(f"{name}: {doc['summary']} -> {shown}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Make the README's pictures of the viewers, and measure the 1,000-op player.
 
     python3 tools/viz_screenshots.py            # writes docs/viz-*.png
-    python3 tools/viz_screenshots.py --measure  # size and step latency of a 1,130-op player
+    python3 tools/viz_screenshots.py --measure  # size and step latency of a 1,000-op player
 
 The terminal viewer is driven by Textual's pilot and saved as SVG (Textual's
 screenshot), then rasterised by headless Chromium; the HTML player is opened in

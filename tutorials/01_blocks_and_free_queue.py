@@ -39,6 +39,8 @@ from kvref.viz.workloads import record_workload
 from _lesson import claim, finish, section, show, start
 
 args = start("Blocks, the null block and the free queue")
+# Block hashes chain from NONE_HASH, the first block's parent; set it once per
+# process before any request is hashed (lesson 02: where it comes from).
 init_none_hash(sha256)
 BLOCK_SIZE = 4
 

@@ -25,13 +25,12 @@
 # %%
 import os
 
-from rich.table import Table
-
 from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
                    LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request,
                    RequestStatus, generate_block_hash_extra_keys, get_request_block_hasher,
                    hash_block_tokens, init_none_hash, sha256)
 
+from _draw import hash_table
 from _lesson import claim, finish, section, show, start
 
 args = start("Block hashes and prefix hits")
@@ -48,21 +47,6 @@ def make_manager(num_blocks=64):
                                                          FullAttentionSpec(BLOCK_SIZE))])
     return KVCacheManager(config, max_model_len=1024, scheduler_block_size=BLOCK_SIZE,
                           hash_block_size=BLOCK_SIZE, enable_caching=True, log_stats=True)
-
-
-def hash_table(req, title):
-    """One row per full block: its tokens, extra keys and the start of its hash."""
-    table = Table(title=title, title_justify="left")
-    for column in ("block", "tokens", "extra keys", "hash"):
-        table.add_column(column)
-    mm_idx = 0
-    for i, block_hash in enumerate(req.block_hashes):
-        start_tok = i * BLOCK_SIZE
-        keys, mm_idx = generate_block_hash_extra_keys(req, start_tok, start_tok + BLOCK_SIZE,
-                                                      mm_idx)
-        table.add_row(str(i), str(list(req.all_token_ids[start_tok:start_tok + BLOCK_SIZE])),
-                      str(keys), block_hash.hex()[:12])
-    return table
 
 
 # %% [markdown]
@@ -104,7 +88,7 @@ if saved is not None:
 section("2. Hash the blocks by hand")
 tokens = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]
 r = request("r", tokens)
-show(hash_table(r, "request r"))
+show(hash_table(r, "request r", BLOCK_SIZE))
 h0 = hash_block_tokens(sha256, None, tokens[0:4])
 h1 = hash_block_tokens(sha256, h0, tokens[4:8])
 claim(r.block_hashes == [h0, h1], "r.block_hashes is exactly the hand-built chain [h0, h1]")
@@ -146,7 +130,8 @@ plain = request("plain", base)
 lora_a = request("lora-a", base, lora_request=LoRARequest("sql-adapter", 1))
 lora_b = request("lora-b", base, lora_request=LoRARequest("chat-adapter", 2))
 salted = request("salted", base, cache_salt="tenant-42")
-show(hash_table(lora_a, "with LoRA 'sql-adapter'"), hash_table(salted, "with cache_salt"))
+show(hash_table(lora_a, "with LoRA 'sql-adapter'", BLOCK_SIZE),
+     hash_table(salted, "with cache_salt", BLOCK_SIZE))
 claim(all(len({p, a, b}) == 3 for p, a, b in
           zip(plain.block_hashes, lora_a.block_hashes, lora_b.block_hashes)),
       "no LoRA, adapter A and adapter B give three different hashes for every block")
@@ -178,7 +163,7 @@ cat = request("cat", prompt, mm_features=[
     MultiModalFeatureSpec("sha-of-cat.png", PlaceholderRange(offset=6, length=8))])
 dog = request("dog", prompt, mm_features=[
     MultiModalFeatureSpec("sha-of-dog.png", PlaceholderRange(offset=6, length=8))])
-show(hash_table(cat, "the cat picture at tokens 6..13"))
+show(hash_table(cat, "the cat picture at tokens 6..13", BLOCK_SIZE))
 keys = [generate_block_hash_extra_keys(cat, i * 4, i * 4 + 4, 0)[0] for i in range(5)]
 claim(keys == [None, (("sha-of-cat.png", 2),), (("sha-of-cat.png", -2),),
                (("sha-of-cat.png", -6),), None],

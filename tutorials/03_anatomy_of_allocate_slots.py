@@ -40,7 +40,7 @@ from kvref.viz import render_pool
 from _lesson import claim, finish, section, show, start
 
 args = start("The anatomy of allocate_slots")
-init_none_hash(sha256)
+init_none_hash(sha256)   # NONE_HASH, the first block's parent hash (lesson 02)
 BLOCK_SIZE = 4
 
 

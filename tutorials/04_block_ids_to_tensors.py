@@ -32,7 +32,6 @@
 
 # %%
 import torch
-from rich.text import Text
 
 from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
                    Request, RequestStatus)
@@ -40,7 +39,9 @@ from kvref.attention import default_scale, make_kv_cache, paged_attention, write
 from kvref.viz import render_pool
 from kvref.worker import BlockTable
 
+from _draw import slot_picture
 from _lesson import claim, finish, section, show, start
+from _reference import dense_attention
 
 args = start("From block ids to tensors", uses_tensors=True)
 device = torch.device(args.device)
@@ -58,35 +59,6 @@ table = BlockTable(BLOCK_SIZE, max_num_reqs=2, max_num_blocks_per_req=4,
 # The whole pool starts as NaN: any slot read before it is written poisons the output.
 kv_cache = make_kv_cache(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, device=device,
                          fill=float("nan"))
-
-
-def slot_picture(kv_cache, owner):
-    """One line per block: a cell per slot, the request letter where a key
-    was written, `·` where the slot still holds NaN."""
-    text = Text()
-    written = ~torch.isnan(kv_cache[:, 0]).any(dim=-1).any(dim=-1)     # [blocks, slots]
-    for b in range(kv_cache.shape[0]):
-        text.append(f"block {b}: ")
-        for s in range(kv_cache.shape[2]):
-            who = owner.get(b * BLOCK_SIZE + s, "?") if written[b, s] else "·"
-            text.append(f" {who}", style={"a": "green", "b": "cyan"}.get(who, "dim"))
-        text.append("\n")
-    return text
-
-
-def dense_attention(q, k, v):
-    """The textbook answer on contiguous tensors: causal softmax attention of the
-    last ``len(q)`` positions over all ``len(k)`` keys. q: ``[n, H, D]``, k, v:
-    ``[s, Hk, D]``; grouped heads repeated."""
-    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    n, s = q.shape[0], k.shape[0]
-    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
-    keys, queries = torch.arange(s, device=q.device), torch.arange(s - n, s, device=q.device)
-    allowed = keys[None, :] <= queries[:, None]
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
-
 
 # %% [markdown]
 # ## 1. The manager hands out ids, the table holds them
@@ -154,11 +126,11 @@ query = torch.cat([qkv["a"][0], qkv["b"][0]])
 write_kv(kv_cache, torch.cat([qkv["a"][1], qkv["b"][1]]),
          torch.cat([qkv["a"][2], qkv["b"][2]]), slot_mapping)
 owner = {int(s): ("a" if i < 8 else "b") for i, s in enumerate(slot_mapping)}
-show(slot_picture(kv_cache, owner))
+show(slot_picture(kv_cache, owner, BLOCK_SIZE))
 out = paged_attention(query, kv_cache, query_start_loc=query_start_loc,
                       seq_lens=torch.tensor([8, 6]), block_table=table.get_device_tensor(2),
                       scale=SCALE)
-dense = torch.cat([dense_attention(*qkv["a"]), dense_attention(*qkv["b"])])
+dense = torch.cat([dense_attention(*qkv["a"], SCALE), dense_attention(*qkv["b"], SCALE)])
 claim(bool(torch.isnan(kv_cache[5:]).all()) and bool(torch.isnan(kv_cache[0]).all()),
       "the null block and the free blocks 5..7 still hold NaN: nothing was written there")
 claim(not bool(torch.isnan(out).any()),
@@ -193,12 +165,12 @@ write_kv(kv_cache, torch.cat([step_qkv["a"][1], step_qkv["b"][1]]),
          torch.cat([step_qkv["a"][2], step_qkv["b"][2]]), decode_slots)
 owner.update({int(decode_slots[0]): "a", int(decode_slots[1]): "b"})
 show(f"rows: a {table.row(0)}, b {table.row(1)}; decode slots {decode_slots.tolist()}")
-show(slot_picture(kv_cache, owner))
+show(slot_picture(kv_cache, owner, BLOCK_SIZE))
 out = paged_attention(torch.cat([step_qkv["a"][0], step_qkv["b"][0]]), kv_cache,
                       query_start_loc=torch.tensor([0, 1, 2]), seq_lens=torch.tensor([9, 7]),
                       block_table=table.get_device_tensor(2), scale=SCALE)
 full = {rid: [torch.cat([qkv[rid][i], step_qkv[rid][i]]) for i in range(3)] for rid in qkv}
-dense = torch.cat([dense_attention(full[rid][0][-1:], full[rid][1], full[rid][2])
+dense = torch.cat([dense_attention(full[rid][0][-1:], full[rid][1], full[rid][2], SCALE)
                    for rid in ("a", "b")])
 claim(table.row(0) == [1, 2, 5] and table.row(1) == [3, 4],
       "a got block 5 for position 8; b's position 6 stays in block 4")

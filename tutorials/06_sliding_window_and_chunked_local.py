@@ -31,8 +31,6 @@
 
 # %%
 import torch
-import transformers
-from rich.table import Table
 
 from kvref import (ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                    KVCacheManager, Request, RequestStatus, SlidingWindowSpec)
@@ -40,7 +38,11 @@ from kvref.attention import default_scale, make_kv_cache, paged_attention, write
 from kvref.engine import LLM, SamplingParams
 from kvref.worker import BlockTable
 
+from _draw import window_timeline
 from _lesson import claim, finish, section, show, start
+from _reference import dense_attention
+
+import transformers  # noqa: E402  after _lesson, which silences tqdm's notebook warning
 
 args = start("Sliding window and chunked-local attention", uses_tensors=True)
 device = torch.device(args.device)
@@ -49,7 +51,21 @@ NUM_BLOCKS = 12
 SCALE = default_scale(HEAD)
 torch.manual_seed(0)
 
+# %% [markdown]
+# ## 1. A sliding window of 6
+#
+# Block size 4, window 6: the token at position `p` reads `p - 5 .. p`. Before
+# computing position `p` (that is, with `p` tokens computed) the manager skips
+# `p - 6 + 1` tokens; every block entirely inside them becomes the null block.
+# Watch the `∅` entries appear from the left as the window moves, while the
+# number of real blocks never exceeds 3 (`ceil((W - 1) / B) + 1`: the window's
+# `W - 1` older tokens may straddle one more block than they fill).
+#
+# `decode_run` prefills 6 tokens, then decodes with the real manager and the
+# reference paged attention, one token per step, and checks every step's output
+# against attention computed from scratch (`_reference.py`).
 
+# %%
 def decode_run(spec, num_prompt=6, num_steps=14):
     """Prefill ``num_prompt`` tokens, then decode one token per step with the
     real manager and the reference paged attention. Blocks the manager frees
@@ -79,8 +95,9 @@ def decode_run(spec, num_prompt=6, num_steps=14):
         out = paged_attention(q_all[start:start + n], kv_cache, query_start_loc=[0, n],
                               seq_lens=[start + n], block_table=bt.get_device_tensor(1),
                               scale=SCALE, **window)
-        rows.append((start + n - 1, table, out, reference(q_all, k_all, v_all, start,
-                                                          start + n, **window)))
+        rows.append((start + n - 1, table, out,
+                     dense_attention(q_all[start:start + n], k_all[:start + n],
+                                     v_all[:start + n], SCALE, **window)))
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = start + n
         req.append_output_token_ids(100 + step)
@@ -88,45 +105,10 @@ def decode_run(spec, num_prompt=6, num_steps=14):
     return rows
 
 
-def reference(q, k, v, start, end, sliding_window=None, attention_chunk_size=None):
-    """Queries ``start..end-1`` over all keys ``0..end-1``, computed with plain
-    tensors and the window or chunk as a mask: ``[end - start, 1, HEAD]``."""
-    qp = torch.arange(start, end, device=device)[:, None]
-    kp = torch.arange(end, device=device)[None, :]
-    mask = kp <= qp
-    if sliding_window is not None:
-        mask &= kp >= qp - sliding_window + 1
-    if attention_chunk_size is not None:
-        mask &= kp // attention_chunk_size == qp // attention_chunk_size
-    scores = torch.einsum("qhd,khd->hqk", q[start:end], k[:end]) * SCALE
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1),
-                        v[:end])
-
-
-def timeline(rows, title):
-    table = Table("last position", "block table (∅ = null block)", "real blocks held",
-                  title=title, title_justify="left")
-    for last, ids, _, _ in rows:
-        table.add_row(str(last), " ".join("∅" if b == 0 else str(b) for b in ids),
-                      str(sum(b != 0 for b in ids)))
-    return table
-
-
-# %% [markdown]
-# ## 1. A sliding window of 6
-#
-# Block size 4, window 6: the token at position `p` reads `p - 5 .. p`. Before
-# computing position `p` (that is, with `p` tokens computed) the manager skips
-# `p - 6 + 1` tokens; every block entirely inside them becomes the null block.
-# Watch the `∅` entries appear from the left as the window moves, while the
-# number of real blocks never exceeds 3 (`ceil((W - 1) / B) + 1`: the window's
-# `W - 1` older tokens may straddle one more block than they fill).
-
-# %%
 section("1. Sliding window, decode")
 rows = decode_run(SlidingWindowSpec(B, sliding_window=W, num_kv_heads=1, head_size=HEAD,
                                     dtype="float32"))
-show(timeline(rows, "sliding window 6, block size 4"))
+show(window_timeline(rows, "sliding window 6, block size 4"))
 held = [sum(b != 0 for b in ids) for _, ids, _, _ in rows]
 claim(rows[-1][1][:3] == [0, 0, 0] and len(rows[-1][1]) == 5,
       "after 20 tokens the table still has 5 entries, the first 3 are the null block")
@@ -147,7 +129,7 @@ claim(not any(bool(torch.isnan(out).any()) for _, _, out, _ in rows),
 section("2. Chunked local, decode")
 rows = decode_run(ChunkedLocalAttentionSpec(B, attention_chunk_size=C, num_kv_heads=1,
                                             head_size=HEAD, dtype="float32"))
-show(timeline(rows, "chunked local 8, block size 4"))
+show(window_timeline(rows, "chunked local 8, block size 4"))
 tables = {last: ids for last, ids, _, _ in rows}
 claim(0 not in tables[7] and tables[8][:2] == [0, 0] and tables[16][:4] == [0, 0, 0, 0],
       "computing position 8 nulls blocks 0-1 together, position 16 blocks 2-3")
@@ -192,13 +174,16 @@ with torch.no_grad():
                               max_new_tokens=20, min_new_tokens=20, do_sample=False,
                               pad_token_id=0)[0, 10:].tolist()
 show(f"groups: {groups}")
-show(f"real blocks held (full, window) after each step: {held_per_step[:-1]}")
+# After the last token the request is freed, and the engine steps once more, empty, to
+# report it (vLLM's has_requests): keep the steps in which the request held blocks.
+held_per_step = [held for held in held_per_step if held != (0, 0)]
+show(f"real blocks held (full, window) after each step: {held_per_step}")
 show(f"engine:       {out.outputs[0].token_ids}\ntransformers: {expected}")
 claim(groups == ["FullAttentionSpec", "SlidingWindowSpec"],
       "two KV cache groups: full attention and the sliding window")
 claim(out.outputs[0].token_ids == expected,
       "the engine, freeing window blocks as it goes, generates exactly transformers' 20 tokens")
-claim(held_per_step[-2] == (7, 2) and max(w for _, w in held_per_step[1:]) == 2,
+claim(held_per_step[-1] == (7, 2) and max(w for _, w in held_per_step[1:]) == 2,
       "with 28 tokens computed the full-attention group holds 7 blocks, the window group "
       "2, as it did on every decode step")
 

@@ -28,22 +28,22 @@
 # (`vllm/v1/core/kv_cache_coordinator.py`) finds the answer as a **fixed
 # point**: start from the longest possible length, let each type cut it down to
 # what it can serve, repeat until nobody cuts. Lengths only go down, so it ends.
-# This lesson records each lookup the real coordinator makes and draws it.
+# This lesson records each lookup the real coordinator makes and draws it
+# (`_fixed_point.py` next to this file wraps each type's search in a recorder;
+# the real search still runs).
 
 # %%
-from contextlib import contextmanager
-
-from rich.table import Table
 from rich.text import Text
 
 from kvref import (FullAttentionManager, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                    KVCacheManager, MambaManager, MambaSpec, Request, SlidingWindowManager,
                    SlidingWindowSpec, get_request_block_hasher, init_none_hash, sha256)
 
+from _fixed_point import cached_row, draw_lookups, recorded_lookups
 from _lesson import claim, finish, section, show, start
 
 args = start("Hybrid models: the fixed point")
-init_none_hash(sha256)
+init_none_hash(sha256)   # NONE_HASH, the first block's parent hash (lesson 02)
 BLOCK_SIZE = 4
 FULL = FullAttentionSpec(BLOCK_SIZE)
 WINDOW_8 = SlidingWindowSpec(BLOCK_SIZE, sliding_window=8)
@@ -62,59 +62,6 @@ def make_manager(*specs):
 def request(rid, num_tokens):
     return Request(rid, list(range(num_tokens)),
                    block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
-
-
-@contextmanager
-def recorded_lookups():
-    """Record every per-type ``find_longest_cache_hit`` the coordinator makes:
-    (type, candidate length in, length out). The real methods do the work."""
-    calls, originals = [], {}
-    for cls in GROUP_NAMES:
-        originals[cls] = cls.__dict__["find_longest_cache_hit"]
-
-        def recording(klass, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                      kv_cache_spec, drop_eagle_block, alignment_tokens,
-                      _real=originals[cls].__func__):
-            hit = _real(klass, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                        kv_cache_spec, drop_eagle_block, alignment_tokens)
-            calls.append((klass, max_length, len(hit[0]) * kv_cache_spec.block_size))
-            return hit
-
-        cls.find_longest_cache_hit = classmethod(recording)
-    try:
-        yield calls
-    finally:
-        for cls, original in originals.items():
-            cls.find_longest_cache_hit = original
-
-
-def cached_row(manager, group, hashes, hit_tokens=None):
-    """One group's blocks: x cached, . not; ``|`` after the accepted length
-    (which is also shaded green on a colour terminal)."""
-    row = Text()
-    for i, block_hash in enumerate(hashes):
-        mark = "x" if manager.block_pool.get_cached_block(block_hash, [group]) else "."
-        inside = hit_tokens is not None and i < hit_tokens // BLOCK_SIZE
-        row.append(f" {mark} ", style="black on green" if inside else "")
-        if hit_tokens is not None and i + 1 == hit_tokens // BLOCK_SIZE:
-            row.append("|", style="bold")
-    return row
-
-
-def draw_lookups(manager, calls, hashes):
-    """Each lookup as a row: the type, the candidate length in and out, and a
-    bar of that group's cache with the length it accepted."""
-    table = Table(title="lookups, in the coordinator's order", title_justify="left")
-    table.add_column("#")
-    table.add_column("type")
-    table.add_column("in", justify="right")
-    table.add_column("out", justify="right")
-    table.add_column("that group's cache, | after the length it accepts")
-    group_of = {type(m): m.kv_cache_group_id for m in manager.coordinator.single_type_managers}
-    for n, (cls, length_in, length_out) in enumerate(calls, start=1):
-        table.add_row(str(n), GROUP_NAMES[cls], str(length_in), str(length_out),
-                      cached_row(manager, group_of[cls], hashes, length_out))
-    return table
 
 
 # %% [markdown]
@@ -151,7 +98,7 @@ hashes = probe.block_hashes[:8]
 rows = ["".join("x" if manager.block_pool.get_cached_block(h, [g]) else "." for h in hashes)
         for g in range(3)]
 for name, g in (("full", 0), ("window 8", 1), ("mamba", 2)):
-    show(Text(f"{name:>9} ").append(cached_row(manager, g, hashes)))
+    show(Text(f"{name:>9} ").append(cached_row(manager, g, hashes, BLOCK_SIZE)))
 claim(rows == ["xxxxxxxx", "x.xxx...", "x.x....."], "the cache has the holes drawn above")
 
 # %% [markdown]
@@ -169,9 +116,9 @@ claim(rows == ["xxxxxxxx", "x.xxx...", "x.x....."], "the cache has the holes dra
 
 # %%
 section("2. Lookups")
-with recorded_lookups() as calls:
+with recorded_lookups(GROUP_NAMES) as calls:
     hit, num_hit = manager.get_computed_blocks(probe)
-show(draw_lookups(manager, calls, hashes))
+show(draw_lookups(manager, calls, hashes, GROUP_NAMES, BLOCK_SIZE))
 lengths = [(GROUP_NAMES[cls], length_in, length_out) for cls, length_in, length_out in calls]
 claim(lengths[:3] == [("full", 32, 32), ("window 8", 32, 20), ("mamba", 20, 12)],
       "pass 1: full accepts 32, the window cuts to 20, Mamba to 12")
@@ -208,9 +155,9 @@ _, window_ids, mamba_ids = manager.get_block_ids("seed")
 manager.evict_blocks({window_ids[i] for i in (1, 5, 6, 7)}
                      | {mamba_ids[i] for i in (1, 3, 5, 6, 7)})
 manager.free(seed)
-with recorded_lookups() as calls:
+with recorded_lookups(GROUP_NAMES) as calls:
     hit, num_hit = manager.get_computed_blocks(request("probe", 33))
-show(draw_lookups(manager, calls, hashes))
+show(draw_lookups(manager, calls, hashes, GROUP_NAMES, BLOCK_SIZE))
 show(f"hit block ids per group (0 is the null block): {hit.get_block_ids()}")
 claim(num_hit == 20, "the agreed hit is 20 tokens")
 claim([sum(not b.is_null for b in group) for group in hit.blocks] == [5, 2, 1],
@@ -230,9 +177,9 @@ seed = request("seed", 33)
 manager.allocate_slots(seed, 33)
 manager.evict_blocks({manager.get_block_ids("seed")[1][i] for i in (5, 6, 7)})
 manager.free(seed)
-with recorded_lookups() as calls:
+with recorded_lookups(GROUP_NAMES) as calls:
     hit, num_hit = manager.get_computed_blocks(request("probe", 33))
-show(draw_lookups(manager, calls, hashes))
+show(draw_lookups(manager, calls, hashes, GROUP_NAMES, BLOCK_SIZE))
 claim([(GROUP_NAMES[c], i, o) for c, i, o in calls] == [("full", 32, 32), ("window 8", 32, 20)],
       "full + window: two lookups, one pass, no confirming pass")
 claim(num_hit == 20 and len(hit.blocks[0]) == 5,

@@ -39,17 +39,30 @@ from kvref import (KVCacheConfig, KVCacheGroupSpec, KVCacheManager, MambaSpec, R
                    RequestStatus, get_request_block_hasher, init_none_hash, sha256)
 from kvref.attention import make_state_cache, mamba_step, recurrence_reference
 
+from _draw import table_row
 from _lesson import claim, finish, section, show, start
 
 args = start("Mamba states in blocks", uses_tensors=True)
 device = torch.device(args.device)
-init_none_hash(sha256)
+init_none_hash(sha256)   # NONE_HASH, the first block's parent hash (lesson 02)
 B, S, NUM_BLOCKS = 4, 2, 24
 decay = torch.tensor([0.5, 0.9], device=device)
 torch.manual_seed(0)
 inputs = torch.randn(200, S, device=device)          # x_t of token id t
+PROMPT = list(range(10))
 
+# %% [markdown]
+# ## 1. `none`: only the running state
+#
+# A 10-token prompt in chunks of 8 and 2, then 6 decode steps. Each step reads
+# the state from the block of the last computed token and writes the new state
+# into the block of the new last token; the manager then turns every older entry
+# into the null block. The request never holds more than 2 real blocks, and
+# nothing is cached. (vLLM gives a `none` group a block that holds the whole
+# sequence, so there the table is one block updated in place; block size 4
+# here makes the moving state visible.)
 
+# %%
 class Run:
     """One manager, one state cache (NaN-filled), requests stepped by hand."""
 
@@ -110,24 +123,6 @@ class Run:
         return text
 
 
-def table_row(ids):
-    return " ".join("∅" if b == 0 else str(b) for b in ids)
-
-
-PROMPT = list(range(10))
-
-# %% [markdown]
-# ## 1. `none`: only the running state
-#
-# A 10-token prompt in chunks of 8 and 2, then 6 decode steps. Each step reads
-# the state from the block of the last computed token and writes the new state
-# into the block of the new last token; the manager then turns every older entry
-# into the null block. The request never holds more than 2 real blocks, and
-# nothing is cached. (vLLM gives a `none` group a block that holds the whole
-# sequence, so there the table is one block updated in place; block size 4
-# here makes the moving state visible.)
-
-# %%
 section("1. mode none")
 run = Run("none")
 a, _ = run.request("a", PROMPT)

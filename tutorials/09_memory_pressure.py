@@ -34,41 +34,29 @@
 
 # %%
 import torch
-from rich.table import Table
-from rich.text import Text
 
 from kvref import KVCacheManager
 from kvref.engine import LLM, EngineCore, ModelFreeRunner, SamplingParams, Scheduler
 from kvref.viz.workloads import VOCAB, pressure
 
+from _draw import pool_row, step_timeline
 from _lesson import claim, finish, section, show, start, tiny_llama
 
 args = start("Memory pressure: preemption, recompute, the watermark", uses_tensors=True)
 BLOCK_SIZE, MAX_TOKENS = 4, 12
-COLOURS = ["green", "cyan", "magenta", "yellow", "blue"]
 
 model = tiny_llama()
 g = torch.Generator().manual_seed(2)
 prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (10, 9, 11, 8)]
 params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
+# %% [markdown]
+# ## 1. Enough memory: the baseline
+#
+# Each request ends with 11 + 12 tokens at most: 6 blocks. A pool of 40 blocks
+# holds all four at once; nothing is preempted.
 
-def pool_row(llm):
-    """The pool as one line: each block shows the request holding it (0-3), `○`
-    free but cached, `·` free and empty (the null block left out)."""
-    manager = llm.kv_cache_manager
-    owner = {b.block_id: rid for rid in llm.scheduler.requests
-             for b in manager.get_blocks(rid).blocks[0]}
-    row = Text()
-    for block in manager.block_pool.blocks[1:]:
-        if block.block_id in owner:
-            rid = owner[block.block_id]
-            row.append(rid, style=f"bold {COLOURS[int(rid) % len(COLOURS)]}")
-        else:
-            row.append("○" if block.block_hash is not None else "·", style="dim")
-    return row
-
-
+# %%
 def run(num_gpu_blocks, watermark=0.0):
     """Generate all prompts on a pool of ``num_gpu_blocks``; returns the outputs,
     the engine and the pool drawn after every step's scheduling."""
@@ -95,27 +83,6 @@ def preempted_the_last_admitted(records):
     return True
 
 
-def timeline(llm, pictures):
-    table = Table("step", "scheduled tokens", "what happened", "free after\nscheduling",
-                  "the pool after the step",
-                  box=None, header_style="bold")
-    for record, picture in zip(llm.scheduler.step_records, pictures):
-        happened = [f"admit {r}" for r in record.admitted] + \
-            [f"PREEMPT {r}" for r in record.preempted] + \
-            [f"resume {r} (hit {record.prefix_hit_tokens[r]})" for r in record.resumed] + \
-            [f"finish {r}" for r in record.finished]
-        table.add_row(str(record.step), str(record.num_scheduled_tokens), ", ".join(happened),
-                      str(record.num_free_blocks), picture)
-    return table
-
-
-# %% [markdown]
-# ## 1. Enough memory: the baseline
-#
-# Each request ends with 11 + 12 tokens at most: 6 blocks. A pool of 40 blocks
-# holds all four at once; nothing is preempted.
-
-# %%
 section("1. A pool of 40 blocks")
 baseline, llm_big, _ = run(40)
 claim(llm_big.stats.num_preemptions == 0, "with 40 blocks nobody is preempted")
@@ -135,7 +102,7 @@ claim(llm_big.stats.num_preemptions == 0, "with 40 blocks nobody is preempted")
 # %%
 section("2. A pool of 16 blocks")
 small, llm_small, pictures = run(16)
-show(timeline(llm_small, pictures))
+show(step_timeline(llm_small, pictures))
 records = llm_small.scheduler.step_records
 preempt_steps = [r for r in records if r.preempted]
 resumes = [(r, rid) for r in records for rid in r.resumed]
@@ -174,7 +141,7 @@ show(f"prompt tokens computed: {llm_big.stats.prompt_tokens_computed} with 40 bl
 # %%
 section("3. The same pool with watermark 0.4")
 marked, llm_marked, pictures = run(16, watermark=0.4)
-show(timeline(llm_marked, pictures))
+show(step_timeline(llm_marked, pictures))
 watermark_blocks = llm_marked.kv_cache_manager.watermark_blocks
 beside_running = [r for r in llm_marked.scheduler.step_records
                   if (r.admitted or r.resumed)
@@ -229,7 +196,7 @@ for gate in (True, False):
                                                 SamplingParams(max_tokens=2, ignore_eos=True)])
     gate_runs[gate] = (llm_gate, outputs)
     show(f"scheduler_reserve_full_isl={gate}: the first 7 steps")
-    show(timeline(llm_gate, pictures[:7]))
+    show(step_timeline(llm_gate, pictures[:7]))
 with_gate, without_gate = gate_runs[True][0], gate_runs[False][0]
 records = without_gate.scheduler.step_records
 claim(with_gate.stats.num_preemptions == 0

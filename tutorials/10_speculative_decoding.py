@@ -47,10 +47,11 @@ from kvref.viz import render_pool
 from kvref.worker import BlockTable
 
 from _lesson import claim, finish, section, show, start, tiny_llama
+from _reference import dense_attention
 
 args = start("Speculative decoding", uses_tensors=True)
 device = torch.device(args.device)
-init_none_hash(sha256)
+init_none_hash(sha256)   # NONE_HASH, the first block's parent hash (lesson 02)
 B = 4                       # block size of every group
 
 
@@ -68,42 +69,6 @@ def request(rid, tokens):
 def hashed(manager, rid, group=0):
     """Per block of the request's table in ``group``: does it carry a hash?"""
     return [b.block_hash is not None for b in manager.get_blocks(rid).blocks[group]]
-
-
-torch.manual_seed(0)
-# One full-attention layer of the hybrid model in section 4, all NaN to start.
-kv_cache = make_kv_cache(21, B, 1, 8, device=device, fill=float("nan"))
-emb = {name: torch.randn(128, 1, 8, device=device) for name in ("q", "k", "v")}
-pos = {name: torch.randn(64, 1, 8, device=device) for name in ("q", "k", "v")}
-
-
-def qkv(tokens, positions):
-    t, p = torch.tensor(tokens, device=device), torch.tensor(positions, device=device)
-    return [emb[n][t] + pos[n][p] for n in ("q", "k", "v")]
-
-
-def run_step(block_ids, tokens, start, seq_len):
-    """Write the keys and values of positions ``start..seq_len-1`` through the
-    request's table, then attend from them: ``[n, 1, 8]``."""
-    bt = BlockTable(B, max_num_reqs=1, max_num_blocks_per_req=16, max_num_batched_tokens=32,
-                    device=device)
-    bt.add_row(block_ids, 0)
-    positions = list(range(start, seq_len))
-    slots = bt.compute_slot_mapping(1, torch.tensor([0, len(positions)]),
-                                    torch.tensor(positions))
-    q, k, v = qkv(tokens[start:seq_len], positions)
-    write_kv(kv_cache, k, v, slots)
-    return paged_attention(q, kv_cache, query_start_loc=[0, len(positions)], seq_lens=[seq_len],
-                           block_table=bt.get_device_tensor(1), scale=default_scale(8))
-
-
-def dense(tokens, start, seq_len):
-    """The same queries over keys computed from scratch, no cache at all."""
-    q, k, v = qkv(tokens[:seq_len], list(range(seq_len)))
-    scores = torch.einsum("qhd,khd->hqk", q[start:], k) * default_scale(8)
-    causal = torch.arange(seq_len, device=device)[None, :] <= \
-        torch.arange(start, seq_len, device=device)[:, None]
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
 
 
 # %% [markdown]
@@ -228,6 +193,39 @@ claim(hits == {False: 12, True: 8}, "EAGLE gives up the last hit block: 12 -> 8 
 # Request `a` (10 tokens) runs and finishes. Request `b` shares its first 8.
 
 # %%
+torch.manual_seed(0)
+# One full-attention layer of the hybrid model in section 4, all NaN to start.
+kv_cache = make_kv_cache(21, B, 1, 8, device=device, fill=float("nan"))
+emb = {name: torch.randn(128, 1, 8, device=device) for name in ("q", "k", "v")}
+pos = {name: torch.randn(64, 1, 8, device=device) for name in ("q", "k", "v")}
+
+
+def qkv(tokens, positions):
+    t, p = torch.tensor(tokens, device=device), torch.tensor(positions, device=device)
+    return [emb[n][t] + pos[n][p] for n in ("q", "k", "v")]
+
+
+def run_step(block_ids, tokens, start, seq_len):
+    """Write the keys and values of positions ``start..seq_len-1`` through the
+    request's table, then attend from them: ``[n, 1, 8]``."""
+    bt = BlockTable(B, max_num_reqs=1, max_num_blocks_per_req=16, max_num_batched_tokens=32,
+                    device=device)
+    bt.add_row(block_ids, 0)
+    positions = list(range(start, seq_len))
+    slots = bt.compute_slot_mapping(1, torch.tensor([0, len(positions)]),
+                                    torch.tensor(positions))
+    q, k, v = qkv(tokens[start:seq_len], positions)
+    write_kv(kv_cache, k, v, slots)
+    return paged_attention(q, kv_cache, query_start_loc=[0, len(positions)], seq_lens=[seq_len],
+                           block_table=bt.get_device_tensor(1), scale=default_scale(8))
+
+
+def dense(tokens, start, seq_len):
+    """The same queries over keys computed from scratch, no cache at all."""
+    q, k, v = qkv(tokens[:seq_len], list(range(seq_len)))
+    return dense_attention(q[start:], k, v, default_scale(8))
+
+
 section("4a. b's lookup")
 FULL, MAMBA = FullAttentionSpec(B, num_kv_heads=1, head_size=8, dtype="float32"), \
     MambaSpec(B, mamba_cache_mode="all", num_speculative_blocks=2)

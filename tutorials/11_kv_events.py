@@ -29,12 +29,10 @@
 
 # %%
 import random
-from abc import ABC, abstractmethod
 from collections import Counter, deque
-from functools import lru_cache
 
-from kvref import (AllBlocksCleared, BlockRemoved, BlockStored, FullAttentionSpec,
-                   KVCacheConfig, KVCacheGroupSpec, KVCacheManager, MambaSpec, Request,
+from kvref import (BlockRemoved, BlockStored, FullAttentionSpec, KVCacheConfig,
+                   KVCacheGroupSpec, KVCacheManager, MambaSpec, Request,
                    RequestStatus, get_block_hash, get_group_id, get_request_block_hasher,
                    init_none_hash, sha256)
 from kvref.core.kv_cache_utils import maybe_convert_block_hash
@@ -42,7 +40,8 @@ from kvref.core.kv_cache_utils import maybe_convert_block_hash
 from _lesson import claim, finish, section, show, start
 
 args = start("KV events: a router's index from the event stream")
-init_none_hash(sha256)   # a real router needs the instance's PYTHONHASHSEED (lesson 02)
+init_none_hash(sha256)   # NONE_HASH, the first block's parent; a router needs the
+                         # instance's PYTHONHASHSEED to agree on it (lesson 02)
 BLOCK_SIZE = 4
 
 
@@ -74,6 +73,8 @@ def pool_index(manager):
 # within it (lesson 07), never past `num_tokens - 1` (lesson 02). They differ
 # only in how they remember what is cached.
 #
+# Both live in `_routers.py` next to this lesson.
+#
 # **`HashIndex`** keeps the hashes, keyed exactly as the pool keys them:
 # `(group_idx, hash)`. It counts copies, because the pool can cache two blocks
 # with the same hash (lesson 02), and one `BlockRemoved` removes one copy. It
@@ -89,106 +90,7 @@ def pool_index(manager):
 # pair up one to one, the defence the smg router adopted (its PR #2495).
 
 # %%
-class RouterIndex(ABC):
-    """The hit rule both consumers share; subclasses say which blocks are cached."""
-
-    def __init__(self, group_kinds):
-        self.group_kinds = group_kinds      # e.g. {0: "full_attention", 1: "mamba"}
-
-    @abstractmethod
-    def cached(self, group, tokens, i):
-        """Is block ``i`` of this prompt cached in ``group``? (each consumer
-        answers from its own memory)"""
-
-    def score(self, tokens):
-        max_blocks = (len(tokens) - 1) // BLOCK_SIZE     # the last token is never a hit
-        full = [g for g, kind in self.group_kinds.items() if kind == "full_attention"]
-        run = 0
-        while run < max_blocks and all(self.cached(g, tokens, run) for g in full):
-            run += 1
-        for g, kind in self.group_kinds.items():
-            if kind == "mamba":       # the state at the end of the hit must be cached
-                while run > 0 and not self.cached(g, tokens, run - 1):
-                    run -= 1
-        return run * BLOCK_SIZE
-
-
-@lru_cache(maxsize=4096)
-def prompt_hashes(tokens):
-    """The prompt's block hashes as vLLM computes them, in the events' int form."""
-    return [maybe_convert_block_hash(h) for h in request("probe", list(tokens)).block_hashes]
-
-
-class HashIndex(RouterIndex):
-    """Keyed like the pool: (group_idx, external hash) -> copies."""
-
-    def __init__(self, group_kinds):
-        super().__init__(group_kinds)
-        self.blocks = Counter()
-
-    def apply(self, event):
-        if isinstance(event, BlockStored):
-            for h in event.block_hashes:
-                self.blocks[(event.group_idx, h)] += 1
-        elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                self.blocks[(event.group_idx, h)] -= 1
-                if self.blocks[(event.group_idx, h)] == 0:
-                    del self.blocks[(event.group_idx, h)]
-        elif isinstance(event, AllBlocksCleared):
-            self.blocks.clear()
-
-    def cached(self, group, tokens, i):
-        return (group, prompt_hashes(tuple(tokens))[i]) in self.blocks
-
-
-class TokenTreeIndex(RouterIndex):
-    """Per group, a prefix tree of its own keys over token slices paired by position."""
-
-    ROOT = 0
-
-    def __init__(self, group_kinds, skip_sparse=False):
-        super().__init__(group_kinds)
-        self.skip_sparse = skip_sparse
-        self.nodes = Counter()          # (group, own key) -> copies
-        self.key_of = {}                # (group, vLLM hash) -> own key
-
-    @staticmethod
-    def own_key(parent, tokens):
-        return hash((parent, tuple(tokens)))
-
-    def apply(self, event):
-        if isinstance(event, BlockStored):
-            g = event.group_idx
-            if self.skip_sparse and \
-                    len(event.token_ids) != event.block_size * len(event.block_hashes):
-                return
-            if event.parent_block_hash is None:
-                parent = self.ROOT
-            elif (g, event.parent_block_hash) in self.key_of:
-                parent = self.key_of[(g, event.parent_block_hash)]
-            else:
-                return                  # nowhere to hang it: dropped
-            for i, h in enumerate(event.block_hashes):
-                tokens = event.token_ids[i * event.block_size:(i + 1) * event.block_size]
-                parent = self.own_key(parent, tokens)
-                self.nodes[(g, parent)] += 1
-                self.key_of[(g, h)] = parent
-        elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                key = self.key_of.get((event.group_idx, h))
-                if key is not None and self.nodes[(event.group_idx, key)] > 0:
-                    self.nodes[(event.group_idx, key)] -= 1
-        elif isinstance(event, AllBlocksCleared):
-            self.nodes.clear()
-            self.key_of.clear()
-
-    def cached(self, group, tokens, i):
-        key = self.ROOT
-        for j in range(i + 1):
-            key = self.own_key(key, tokens[j * BLOCK_SIZE:(j + 1) * BLOCK_SIZE])
-        return self.nodes[(group, key)] > 0
-
+from _routers import HashIndex, TokenTreeIndex
 
 # %% [markdown]
 # ## A workload with eviction
@@ -280,8 +182,8 @@ def serve(manager, consumers, *, seed, num_requests=60, align=False, budget=12):
 # %%
 section("1. Full attention: rebuild the index from events")
 manager = make_manager(FullAttentionSpec(BLOCK_SIZE), num_blocks=40)
-hash_index = HashIndex({0: "full_attention"})
-tree_index = TokenTreeIndex({0: "full_attention"})
+hash_index = HashIndex({0: "full_attention"}, BLOCK_SIZE)
+tree_index = TokenTreeIndex({0: "full_attention"}, BLOCK_SIZE)
 checks, events = serve(manager, [hash_index, tree_index], seed=11)
 stored = [e for e in events if isinstance(e, BlockStored)]
 removed = [e for e in events if isinstance(e, BlockRemoved)]
@@ -310,7 +212,7 @@ claim(all(c["answers"][1] == c["truth"] for c in checks),
 
 # %%
 manager = make_manager(FullAttentionSpec(BLOCK_SIZE), num_blocks=20)
-index = HashIndex({0: "full_attention"})
+index = HashIndex({0: "full_attention"}, BLOCK_SIZE)
 prompt = list(range(100, 116))
 first = request("first", prompt)
 manager.allocate_slots(first, 16)
@@ -356,9 +258,9 @@ section("2. Full attention + Mamba align")
 manager = make_manager(FullAttentionSpec(BLOCK_SIZE),
                        MambaSpec(BLOCK_SIZE, mamba_cache_mode="align"), num_blocks=80)
 kinds = {0: "full_attention", 1: "mamba"}
-hash_index = HashIndex(kinds)
-tree_index = TokenTreeIndex(kinds)
-careful_tree = TokenTreeIndex(kinds, skip_sparse=True)
+hash_index = HashIndex(kinds, BLOCK_SIZE)
+tree_index = TokenTreeIndex(kinds, BLOCK_SIZE)
+careful_tree = TokenTreeIndex(kinds, BLOCK_SIZE, skip_sparse=True)
 checks, events = serve(manager, [hash_index, tree_index, careful_tree], seed=11, align=True)
 mamba_stored = [e for e in events if isinstance(e, BlockStored) and e.group_idx == 1]
 sparse = [e for e in mamba_stored if len(e.token_ids) != e.block_size * len(e.block_hashes)]

@@ -38,7 +38,7 @@ import torch
 
 from kvref.attention.paged_attention import (
     AttentionOutput,
-    _as_ints,
+    as_ints,
     attend,
     check_batch,
     gather_kv,
@@ -103,7 +103,7 @@ def cascade_attention(query: torch.Tensor, kv_cache: torch.Tensor, *,
     pass over the prefix keys (read once, not once per request); the suffix
     part is ``paged_attention``'s over the remaining keys.
     """
-    starts, lens = _as_ints(query_start_loc), _as_ints(seq_lens)
+    starts, lens = as_ints(query_start_loc), as_ints(seq_lens)
     check_batch(query, kv_cache, starts, lens, block_table)
     block_size = kv_cache.shape[2]
     if common_prefix_len <= 0 or common_prefix_len % block_size:

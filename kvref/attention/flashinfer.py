@@ -28,12 +28,13 @@ import torch
 
 from kvref.attention.paged_attention import (
     AttentionOutput,
-    _as_ints,
-    _check_kv_cache,
+    as_ints,
+    check_kv_cache,
     attend,
     visibility_mask,
     visible_key_range,
 )
+from kvref.math_utils import cdiv
 
 
 class FlashInferPageTable(NamedTuple):
@@ -55,7 +56,7 @@ def to_flashinfer(block_table: torch.Tensor, seq_lens: torch.Tensor | Sequence[i
     Request ``r`` has ``cdiv(seq_lens[r], block_size)`` pages, the first of its
     row; the last holds ``(seq_len - 1) % block_size + 1`` tokens. O(total pages).
     """
-    lens = _as_ints(seq_lens)
+    lens = as_ints(seq_lens)
     if block_table.dim() != 2 or block_table.shape[0] < len(lens):
         raise ValueError(f"block_table must be [num_reqs={len(lens)}, max_blocks], got "
                          f"{tuple(block_table.shape)}")
@@ -63,7 +64,7 @@ def to_flashinfer(block_table: torch.Tensor, seq_lens: torch.Tensor | Sequence[i
     for r, seq_len in enumerate(lens):
         if seq_len <= 0:
             raise ValueError(f"request {r}: seq_len must be positive, got {seq_len}")
-        num_pages = -(-seq_len // block_size)
+        num_pages = cdiv(seq_len, block_size)
         if num_pages > block_table.shape[1]:
             raise ValueError(f"request {r}: seq_len {seq_len} needs {num_pages} pages, "
                              f"block_table has {block_table.shape[1]} columns")
@@ -89,10 +90,10 @@ def flashinfer_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, *,
     (``-1``: none); vLLM passes ``sliding_window - 1``. Same cost as
     ``paged_attention``; used to check that both forms name the same keys.
     """
-    _check_kv_cache(kv_cache)
+    check_kv_cache(kv_cache)
     page_size = kv_cache.shape[2]
-    starts = _as_ints(qo_indptr)
-    indptr, last = _as_ints(kv_indptr), _as_ints(kv_last_page_len)
+    starts = as_ints(qo_indptr)
+    indptr, last = as_ints(kv_indptr), as_ints(kv_last_page_len)
     num_tokens, num_heads, head_size = query.shape
     output = torch.zeros_like(query, device=kv_cache.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), device=kv_cache.device)

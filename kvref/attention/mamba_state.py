@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvref.attention.paged_attention import _as_ints
+from kvref.attention.paged_attention import as_ints
 
 MAMBA_MODES = ("all", "align")
 
@@ -81,7 +81,7 @@ def mamba_step(x: torch.Tensor, state_cache: torch.Tensor, *, decay: torch.Tenso
             or decay.shape != (x.shape[1],):
         raise ValueError(f"x {tuple(x.shape)}, state_cache {tuple(state_cache.shape)} and decay "
                          f"{tuple(decay.shape)} must be [num_tokens, S], [num_blocks, S], [S]")
-    starts, lens = _as_ints(query_start_loc), _as_ints(seq_lens)
+    starts, lens = as_ints(query_start_loc), as_ints(seq_lens)
     if len(starts) != len(lens) + 1:
         raise ValueError(f"query_start_loc has {len(starts)} entries for {len(lens)} requests")
     y = torch.zeros_like(x)

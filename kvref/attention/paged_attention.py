@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvref.worker.block_table import PAD_SLOT_ID
+from kvref.math_utils import cdiv
 
 
 def make_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
@@ -63,7 +63,14 @@ def make_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size
                       dtype=dtype, device=device)
 
 
-def _check_kv_cache(kv_cache: torch.Tensor) -> None:
+# The slot of a token that belongs to no request (a padded batch): write_kv skips it.
+# (vLLM keeps it in vllm/v1/attention/backends/utils.py; the worker imports it from here.)
+PAD_SLOT_ID = -1
+
+
+def check_kv_cache(kv_cache: torch.Tensor) -> None:
+    """``ValueError`` unless ``kv_cache`` has the paged layout
+    ``[num_blocks, 2, block_size, num_kv_heads, head_size]``."""
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError("kv_cache must be [num_blocks, 2, block_size, num_kv_heads, "
                          f"head_size], got shape {tuple(kv_cache.shape)}")
@@ -81,7 +88,7 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             vLLM, only the first ``n`` tokens are written (the rest of a padded
             ``key`` is ignored). O(n * num_kv_heads * head_size).
     """
-    _check_kv_cache(kv_cache)
+    check_kv_cache(kv_cache)
     num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
     if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != (num_kv_heads, head_size):
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
@@ -167,14 +174,15 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            lse.permute(2, 0, 1).reshape(num_q, num_heads))
 
 
-def _as_ints(x: torch.Tensor | Sequence[int]) -> list[int]:
+def as_ints(x: torch.Tensor | Sequence[int]) -> list[int]:
+    """A tensor or sequence of integers as a Python list (the per-request loops read it)."""
     return [int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else x)]
 
 
 def check_batch(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: Sequence[int],
                 seq_lens: Sequence[int], block_table: torch.Tensor) -> None:
     """Shape checks shared by every attention here; messages name the shapes."""
-    _check_kv_cache(kv_cache)
+    check_kv_cache(kv_cache)
     check_requests(query_start_loc, seq_lens, block_table, kv_cache.shape[2])
     check_query(query, kv_cache, query_start_loc[-1])
 
@@ -205,9 +213,9 @@ def check_requests(query_start_loc: Sequence[int], seq_lens: Sequence[int],
         if not 0 <= q_len <= seq_lens[r]:
             raise ValueError(f"request {r}: query_len {q_len} must be in 0..seq_len "
                              f"{seq_lens[r]}")
-        if -(-seq_lens[r] // block_size) > block_table.shape[1]:
+        if cdiv(seq_lens[r], block_size) > block_table.shape[1]:
             raise ValueError(f"request {r}: seq_len {seq_lens[r]} needs "
-                             f"{-(-seq_lens[r] // block_size)} blocks of {block_size}, "
+                             f"{cdiv(seq_lens[r], block_size)} blocks of {block_size}, "
                              f"block_table has {block_table.shape[1]} columns")
 
 
@@ -231,7 +239,7 @@ def paged_attention_with_lse(query: torch.Tensor, kv_cache: torch.Tensor, *,
                              sliding_window: int | None = None,
                              attention_chunk_size: int | None = None) -> AttentionOutput:
     """``paged_attention`` that also returns each query's log-sum-exp (for cascades)."""
-    starts, lens = _as_ints(query_start_loc), _as_ints(seq_lens)
+    starts, lens = as_ints(query_start_loc), as_ints(seq_lens)
     check_batch(query, kv_cache, starts, lens, block_table)
     check_window_args(sliding_window, attention_chunk_size)
     num_tokens, num_heads, head_size = query.shape

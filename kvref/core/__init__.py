@@ -9,8 +9,11 @@ One module per vLLM file, same names::
     kv_cache_utils.py                KVCacheBlock, the free queue, block hashing,
                                      capacity (blocks per request, max concurrency)
 
-Imports only go down this list (and to the vocabulary modules one level up:
-``kv_cache_interface``, ``request``, ``kv_events``, ``stats``, ``hashing``), so
-the package has no import cycles. Import from ``kvref`` itself:
+Imports only go down this list, to the vocabulary modules one level up
+(``kv_cache_interface``, ``request``, ``kv_events``, ``stats``, ``hashing``,
+``math_utils``), and to one module outside: both ``check_valid`` methods
+import ``kvref.verify.invariants`` inside the method (the checker reads the
+core, so a top-level import would be a cycle). ``tests/test_layout.py``
+checks all three. Import from ``kvref`` itself:
 ``from kvref import KVCacheManager``.
 """

@@ -45,6 +45,7 @@ from kvref.core.kv_cache_utils import (
     maybe_convert_block_hash,
 )
 from kvref.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvref.request import Request
 
 
 class BlockHashToBlockMap:
@@ -137,9 +138,9 @@ class BlockPool:
             found.append(block)
         return found
 
-    def cache_full_blocks(self, request, blocks: list[KVCacheBlock], num_cached_blocks: int,
-                          num_full_blocks: int, block_size: int, kv_cache_group_id: int,
-                          block_mask: list[bool] | None = None) -> None:
+    def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                          num_cached_blocks: int, num_full_blocks: int, block_size: int,
+                          kv_cache_group_id: int, block_mask: list[bool] | None = None) -> None:
         """Hash and index ``blocks[num_cached_blocks:num_full_blocks]`` of a request.
 
         Null blocks, and blocks whose ``block_mask`` entry is False (a sliding
@@ -171,14 +172,15 @@ class BlockPool:
             self._emit_block_stored(request, hashes, stored, num_cached_blocks,
                                     num_full_blocks, block_size, kv_cache_group_id)
 
-    def _hashes_at_block_size(self, request, block_size: int) -> Sequence[BlockHash]:
+    def _hashes_at_block_size(self, request: Request, block_size: int) -> Sequence[BlockHash]:
         if block_size == self.hash_block_size:
             return request.block_hashes
         return BlockHashListWithBlockSize(request.block_hashes, self.hash_block_size,
                                           block_size)
 
-    def _emit_block_stored(self, request, hashes, stored: list[int], first: int,
-                           end: int, block_size: int, group_id: int) -> None:
+    def _emit_block_stored(self, request: Request, hashes: Sequence[BlockHash],
+                           stored: list[int], first: int, end: int, block_size: int,
+                           group_id: int) -> None:
         extra_keys = []
         mm_idx = 0
         for i in stored:

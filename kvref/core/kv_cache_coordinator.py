@@ -19,18 +19,19 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvref.core.block_pool import BlockPool
+from kvref.core.kv_cache_utils import BlockHash, BlockHashListWithBlockSize, KVCacheBlock
+from kvref.core.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
 from kvref.kv_cache_interface import (
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
 )
-from kvref.core.kv_cache_utils import BlockHashListWithBlockSize, KVCacheBlock
-from kvref.core.single_type_kv_cache_manager import (
-    CrossAttentionManager,
-    SingleTypeKVCacheManager,
-    get_manager_for_kv_cache_spec,
-)
+from kvref.request import Request
 
 HitBlocks = tuple[list[KVCacheBlock], ...]
 
@@ -125,7 +126,7 @@ class KVCacheCoordinator(ABC):
                 num_tokens_main_model)
             for m in self.single_type_managers)
 
-    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for manager in self.single_type_managers:
             manager.cache_blocks(request, num_computed_tokens)
 
@@ -157,7 +158,7 @@ class KVCacheCoordinator(ABC):
             manager.new_step_starts()
 
     @abstractmethod
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int]:
         """``(hit blocks per group, hit length in tokens)``."""
 
@@ -175,7 +176,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * len(self.single_type_managers)
 
-    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int]:
         return tuple([] for _ in self.single_type_managers), 0
 
 
@@ -195,7 +197,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                              f"({self.block_size})")
         self.single_type_managers[0].use_eagle = 0 in self.eagle_group_ids
 
-    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int]:
         hit = self.single_type_managers[0].find_longest_cache_hit(
             block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec,
             drop_eagle_block=0 in self.eagle_group_ids, alignment_tokens=self.block_size)
@@ -286,12 +289,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 self.single_type_managers[gid].use_eagle = spec_group.use_eagle
         return by_spec
 
-    def _hashes_for(self, spec: KVCacheSpec, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
+    def _hashes_for(self, spec: KVCacheSpec,
+                    block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
         if spec.block_size == self.hash_block_size:
             return block_hashes
         return BlockHashListWithBlockSize(block_hashes, self.hash_block_size, spec.block_size)
 
-    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary only: hits
         never end elsewhere. EAGLE groups cache one block further, since they
         look one block past a boundary and then drop it."""
@@ -302,7 +306,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 num_tokens = min(num_computed_tokens, aligned + manager.block_size)
             manager.cache_blocks(request, num_tokens)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int]:
         """The longest hit all groups accept (the fixed point in the module docstring).
 
@@ -310,51 +314,57 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         drops it; it does so once per candidate length, and again whenever
         another group shrinks the length.
         """
-        hits: list[list[KVCacheBlock] | None] = [None] * len(self.single_type_managers)
+        # vLLM's names: hit_length is the candidate every group accepted so far,
+        # curr_hit_length what this pass has shrunk it to.
+        hit_blocks_by_group: list[list[KVCacheBlock] | None] = \
+            [None] * len(self.single_type_managers)
         hit_length = max_cache_hit_length
-        longest_seen = 0
+        longest_hit_length = 0
         # Full attention plus one other type settles in a single pass.
-        one_pass = (len(self.attention_groups) == 2
-                    and isinstance(self.attention_groups[0].spec, FullAttentionSpec))
-        eagle_done: set[int] = set()
+        is_simple_hybrid = (len(self.attention_groups) == 2
+                            and isinstance(self.attention_groups[0].spec, FullAttentionSpec))
+        # Attention groups whose EAGLE drop holds at the current candidate length.
+        eagle_verified: set[int] = set()
         while True:
-            length = hit_length
+            curr_hit_length = hit_length
             for idx, (spec, group_ids, manager_cls, use_eagle) in \
                     enumerate(self.attention_groups):
-                if isinstance(spec, FullAttentionSpec) and hits[group_ids[0]] is not None:
+                if isinstance(spec, FullAttentionSpec) and \
+                        hit_blocks_by_group[group_ids[0]] is not None:
                     # A full-attention hit is prefix-closed: trim, don't look again.
-                    length = length // spec.block_size * spec.block_size
+                    curr_hit_length = curr_hit_length // spec.block_size * spec.block_size
                     continue
-                drop_eagle = use_eagle and idx not in eagle_done
-                max_length = (min(length + spec.block_size, max_cache_hit_length)
-                              if drop_eagle else length)
-                found = manager_cls.find_longest_cache_hit(
+                drop_eagle_block = use_eagle and idx not in eagle_verified
+                max_length = (min(curr_hit_length + spec.block_size, max_cache_hit_length)
+                              if drop_eagle_block else curr_hit_length)
+                hit_blocks = manager_cls.find_longest_cache_hit(
                     self._hashes_for(spec, block_hashes), max_length, group_ids,
-                    self.block_pool, spec, drop_eagle, self.scheduler_block_size)
-                new_length = len(found[0]) * spec.block_size
-                if drop_eagle:
-                    eagle_done.add(idx)
-                elif new_length < length:
-                    eagle_done.clear()  # a shorter candidate needs new EAGLE checks
-                length = new_length
-                for gid, blocks in zip(group_ids, found):
-                    hits[gid] = blocks
-                longest_seen = max(longest_seen, length)
-            if length >= hit_length:
+                    self.block_pool, spec, drop_eagle_block, self.scheduler_block_size)
+                new_hit_length = len(hit_blocks[0]) * spec.block_size
+                if drop_eagle_block:
+                    eagle_verified.add(idx)
+                elif new_hit_length < curr_hit_length:
+                    eagle_verified.clear()  # a shorter candidate needs new EAGLE checks
+                curr_hit_length = new_hit_length
+                for gid, blocks in zip(group_ids, hit_blocks):
+                    hit_blocks_by_group[gid] = blocks
+                longest_hit_length = max(longest_hit_length, curr_hit_length)
+            if curr_hit_length >= hit_length:
                 break
-            hit_length = length
-            if one_pass:
+            hit_length = curr_hit_length
+            if is_simple_hybrid:
                 break
 
         first = self.attention_groups[0]
         if isinstance(first.spec, FullAttentionSpec):
             for gid in first.group_ids:
-                if hits[gid] is not None:
-                    del hits[gid][hit_length // first.spec.block_size:]
-        self.num_uncached_common_prefix_tokens = longest_seen - hit_length
-        return tuple(blocks if blocks is not None else [] for blocks in hits), hit_length
+                if hit_blocks_by_group[gid] is not None:
+                    del hit_blocks_by_group[gid][hit_length // first.spec.block_size:]
+        self.num_uncached_common_prefix_tokens = longest_hit_length - hit_length
+        return (tuple(blocks if blocks is not None else [] for blocks in hit_blocks_by_group),
+                hit_length)
 
-    def find_longest_cache_hit_per_group(self, block_hashes: Sequence[bytes],
+    def find_longest_cache_hit_per_group(self, block_hashes: Sequence[BlockHash],
                                          max_cache_hit_length: int
                                          ) -> tuple[HitBlocks, tuple[int, ...]]:
         """Each spec group's own longest hit, without agreeing (vLLM's scheduler
@@ -378,17 +388,19 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
                              scheduler_block_size: int, hash_block_size: int
                              ) -> KVCacheCoordinator:
     """No caching -> no-prefix-cache coordinator; one group -> unitary; else hybrid."""
-    args = (kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle)
-    sizes = dict(scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
+    common = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len,
+                  max_num_batched_tokens=max_num_batched_tokens, use_eagle=use_eagle,
+                  enable_kv_cache_events=enable_kv_cache_events,
+                  scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
     if not enable_caching:
-        return KVCacheCoordinatorNoPrefixCache(*args, enable_kv_cache_events, **sizes)
+        return KVCacheCoordinatorNoPrefixCache(**common)
     if any(isinstance(g.kv_cache_spec, CrossAttentionSpec)
            for g in kv_cache_config.kv_cache_groups):
         raise ValueError("cross-attention groups cannot be prefix-cached; "
                          "use enable_caching=False (as vLLM does for encoder-decoder models)")
     if len(kv_cache_config.kv_cache_groups) == 1:
-        return UnitaryKVCacheCoordinator(*args, True, enable_kv_cache_events, **sizes)
-    return HybridKVCacheCoordinator(*args, True, enable_kv_cache_events, **sizes)
+        return UnitaryKVCacheCoordinator(**common, enable_caching=True)
+    return HybridKVCacheCoordinator(**common, enable_caching=True)
 
 
 __all__ = [

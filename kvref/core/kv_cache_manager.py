@@ -41,8 +41,8 @@ from kvref.kv_cache_interface import (
 )
 from kvref.core.kv_cache_utils import KVCacheBlock
 from kvref.kv_events import BlockStored
+from kvref.math_utils import cdiv
 from kvref.request import Request, RequestStatus
-from kvref.core.single_type_kv_cache_manager import cdiv
 from kvref.stats import PrefixCacheStats
 
 
@@ -80,6 +80,23 @@ class KVCacheBlocks:
 
     def new_empty(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+@dataclass(slots=True)
+class AllocateSlotsGates:
+    """The numbers the last ``allocate_slots`` call weighed, step by step (kvref
+    only: ``kvref explain`` reads them, so it never re-derives the gates).
+
+    A field the call did not reach stays None (``num_freed_blocks``: 0).
+    """
+
+    watermark_blocks: int
+    num_free_blocks: int                      # when the call began
+    full_sequence_blocks: int | None = None   # step 2: the whole request's blocks
+    num_freed_blocks: int = 0                 # step 3: freed left of the window
+    num_blocks_needed: int | None = None      # step 4: blocks this call needs
+    num_available_blocks: int | None = None   # step 4: free minus reserved
+    refused_by: str | None = None             # "full-sequence" or "capacity"
 
 
 class KVCacheManager:
@@ -140,6 +157,7 @@ class KVCacheManager:
         # The one "no blocks" answer. allocate_slots recognises it by identity,
         # as vLLM's scheduler relies on.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self.last_allocate_slots: AllocateSlotsGates | None = None
 
     @property
     def usage(self) -> float:
@@ -235,6 +253,7 @@ class KVCacheManager:
            the blocks that are now full (only up to ``request.num_tokens``: draft
            tokens may be rejected), unless ``delay_cache_blocks``.
         """
+        # 1. Something to compute or to load.
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no "
                              "external computed tokens")
@@ -252,7 +271,10 @@ class KVCacheManager:
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
                                                      RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
+        num_free_blocks = self.block_pool.get_num_free_blocks()
+        gates = self.last_allocate_slots = AllocateSlotsGates(watermark_blocks, num_free_blocks)
 
+        # 2. The full-sequence gate (nothing freed yet).
         if full_sequence_must_fit:
             full_len = min(request.num_tokens, self.max_model_len)
             needed = self.coordinator.get_num_blocks_to_allocate(
@@ -260,27 +282,36 @@ class KVCacheManager:
                 new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,
                 total_computed_tokens=total_computed, num_tokens_main_model=full_len,
                 apply_admission_cap=True)
-            if needed + watermark_blocks > self.block_pool.get_num_free_blocks():
+            gates.full_sequence_blocks = needed
+            if needed + watermark_blocks > num_free_blocks:
+                gates.refused_by = "full-sequence"
                 return None
 
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens,
                                    self.max_model_len)
 
-        # Freeing first means fewer cached blocks get evicted below.
+        # 3. Free the blocks left of the attention window first: fewer cached
+        #    blocks get evicted below.
         self.coordinator.remove_skipped_blocks(request.request_id, total_computed,
                                                num_prompt_tokens=request.num_prompt_tokens)
 
+        # 4. The capacity gate: the blocks needed, the watermark, the reserved blocks.
         needed = self.coordinator.get_num_blocks_to_allocate(
             request_id=request.request_id, num_tokens=num_tokens_need_slot,
             new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,
             total_computed_tokens=num_local_computed + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model)
-        available = self.block_pool.get_num_free_blocks() - reserved_blocks
+        num_free_blocks_after = self.block_pool.get_num_free_blocks()
+        available = num_free_blocks_after - reserved_blocks
+        gates.num_freed_blocks = num_free_blocks_after - num_free_blocks
+        gates.num_blocks_needed, gates.num_available_blocks = needed, available
         if needed + watermark_blocks > available:
+            gates.refused_by = "capacity"
             return None
 
-        # Identity, not equality: the shared empty answer means "no hit".
+        # 5. Take the hit (identity, not equality: the shared empty answer means
+        #    "no hit"), allocate, cache what is now full.
         if hit_blocks is not self.empty_kv_cache_blocks.blocks \
                 or num_external_computed_tokens > 0:
             self.coordinator.allocate_new_computed_blocks(
@@ -377,7 +408,7 @@ class KVCacheManager:
         """The scheduler starts a step (Mamba: this step's cached states become hittable)."""
         self.coordinator.new_step_starts()
 
-    def check_valid(self, popped_blocks=()) -> None:
+    def check_valid(self, popped_blocks: Sequence[Sequence[KVCacheBlock]] = ()) -> None:
         """Assert every invariant of ``specs/`` that one snapshot can show: pool,
         free queue, index and every group's block tables (an expensive no-op
         when all is well). ``popped_blocks``: lists from ``pop_blocks_for_free``

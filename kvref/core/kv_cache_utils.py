@@ -40,16 +40,19 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NewType
 
 from kvref.hashing import sha256, sha256_cbor
-from kvref.kv_cache_interface import KVCacheConfig, KVCacheSpec, cdiv
+from kvref.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from kvref.math_utils import cdiv
+from kvref.request import Request
 
 # A block hash is the 32 bytes a hash function returns. In the pool's index it
 # is followed by 4 big-endian bytes of the KV cache group id, so that groups
-# sharing one pool never hit each other's blocks.
-BlockHash = bytes
-BlockHashWithGroupId = bytes
+# sharing one pool never hit each other's blocks. Two NewTypes, as in vLLM: both
+# are bytes at run time, but a type checker tells the pool's key from a hash.
+BlockHash = NewType("BlockHash", bytes)
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 
 # Parent hash of every request's first block. ``init_none_hash`` sets it.
 NONE_HASH: BlockHash | None = None
@@ -60,16 +63,16 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     when that variable is unset (then hashes differ between processes)."""
     global NONE_HASH
     seed = os.getenv("PYTHONHASHSEED")
-    NONE_HASH = os.urandom(32) if seed is None else hash_fn(seed)
+    NONE_HASH = BlockHash(os.urandom(32) if seed is None else hash_fn(seed))
 
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     """The pool's index key: the hash followed by the group id in 4 bytes."""
-    return block_hash + group_id.to_bytes(4, "big", signed=False)
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
 
 
 def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
-    return key[:-4]
+    return BlockHash(key[:-4])
 
 
 def get_group_id(key: BlockHashWithGroupId) -> int:
@@ -235,13 +238,13 @@ class FreeKVCacheBlockQueue:
 # Block hashing
 
 
-def need_extra_keys(request) -> bool:
+def need_extra_keys(request: Request) -> bool:
     """Whether any block of this request hashes extra keys."""
     return bool(request.mm_features) or request.lora_request is not None \
         or request.cache_salt is not None
 
 
-def _mm_extra_keys(request, start: int, end: int, mm_idx: int) -> tuple[list, int]:
+def _mm_extra_keys(request: Request, start: int, end: int, mm_idx: int) -> tuple[list, int]:
     """``(identifier, offset - start)`` for each multimodal item overlapping the
     block ``[start, end)``, and the index of the item the next block starts at.
 
@@ -274,7 +277,7 @@ def _mm_extra_keys(request, start: int, end: int, mm_idx: int) -> tuple[list, in
     return keys, mm_idx
 
 
-def generate_block_hash_extra_keys(request, start_token_idx: int, end_token_idx: int,
+def generate_block_hash_extra_keys(request: Request, start_token_idx: int, end_token_idx: int,
                                    start_mm_idx: int) -> tuple[tuple | None, int]:
     """Extra keys of the block ``[start_token_idx, end_token_idx)``, in vLLM's
     order: LoRA name, multimodal items, cache salt (first block only).
@@ -299,7 +302,8 @@ def hash_block_tokens(hash_function: Callable[[Any], bytes],
         if NONE_HASH is None:
             raise RuntimeError("call init_none_hash(hash_fn) before hashing blocks")
         parent_block_hash = NONE_HASH
-    return hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
+    return BlockHash(hash_function((parent_block_hash, tuple(curr_block_token_ids),
+                                    extra_keys)))
 
 
 def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[Any], bytes]
@@ -312,7 +316,7 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
     if hash_block_size <= 0:
         raise ValueError(f"hash_block_size must be positive, got {hash_block_size}")
 
-    def request_block_hasher(request) -> list[BlockHash]:
+    def request_block_hasher(request: Request) -> list[BlockHash]:
         start = len(request.block_hashes) * hash_block_size
         # Blocks completed later by output tokens consider only the last item.
         mm_idx = 0 if start == 0 else -1
@@ -352,7 +356,7 @@ class BlockHashListWithBlockSize(Sequence):
     def __len__(self) -> int:
         return len(self.block_hashes) // self.scale_factor
 
-    def __getitem__(self, idx):
+    def __getitem__(self, idx: int | slice) -> BlockHash | list[BlockHash]:
         if isinstance(idx, slice):
             return [self[i] for i in range(*idx.indices(len(self)))]
         if idx < 0:

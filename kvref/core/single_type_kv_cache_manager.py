@@ -24,11 +24,11 @@ The managers here: ``FullAttentionManager``, ``SlidingWindowManager``,
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 
 from kvref.core.block_pool import BlockPool
+from kvref.core.kv_cache_utils import BlockHash, BlockHashWithGroupId, KVCacheBlock
 from kvref.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -37,12 +37,8 @@ from kvref.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from kvref.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for ``a`` tokens of ``b`` per block."""
-    return -(-a // b)
+from kvref.math_utils import cdiv
+from kvref.request import Request
 
 
 class SingleTypeKVCacheManager:
@@ -186,7 +182,7 @@ class SingleTypeKVCacheManager:
 
     # -- caching --------------------------------------------------------------
 
-    def cache_blocks(self, request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Cache the request's blocks that ``num_tokens`` tokens fill completely."""
         num_cached = self.num_cached_block.get(request.request_id, 0)
         num_full = num_tokens // self.block_size
@@ -268,7 +264,7 @@ class SingleTypeKVCacheManager:
         return 0
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
                                kv_cache_group_ids: list[int], block_pool: BlockPool,
                                kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
                                alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
@@ -296,8 +292,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     """Every token reads every earlier token: a hit is the longest cached prefix."""
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: list[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
+                               alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         """Scan left to right and stop at the first miss: hashes chain, so no
         block after a miss can be cached for this prefix."""
         computed = tuple([] for _ in kv_cache_group_ids)
@@ -338,16 +336,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.sliding_window = kv_cache_spec.sliding_window
 
     @staticmethod
-    def _contiguous_blocks_for_hit(sliding_window: int, block_size: int,
+    def num_contiguous_blocks_for_hit(sliding_window: int, block_size: int,
                                    use_eagle: bool) -> int:
-        """Cached blocks in a row that make a hit: enough to hold the
-        ``window - 1`` earlier tokens the next token reads, one more for EAGLE
-        (which drops it again)."""
+        """Cached blocks in a row that make a hit (vLLM's
+        ``sliding_window_contiguous_blocks``): enough to hold the ``window - 1``
+        earlier tokens the next token reads, one more for EAGLE (which drops it
+        again). ``kvref explain`` and the walkthroughs quote it from here."""
         return cdiv(sliding_window - 1, block_size) + (1 if use_eagle else 0)
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: list[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
+                               alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         """Scan right to left for ``need`` cached blocks in a row; everything left
         of them is outside the window and becomes the null block.
 
@@ -361,7 +362,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         shorter than the window needs no nulls).
         """
         block_size = kv_cache_spec.block_size
-        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
+        need = cls.num_contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
                                               drop_eagle_block)
         num_blocks = max_length // block_size
         computed = tuple([block_pool.null_block] * num_blocks for _ in kv_cache_group_ids)
@@ -397,8 +398,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return computed
 
     @classmethod
-    def reachable_block_mask(cls, start_block, end_block, alignment_tokens, kv_cache_spec,
-                             use_eagle):
+    def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int,
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool) -> list[bool] | None:
         """Cache only the blocks a hit can end on.
 
         Hits are aligned to ``alignment_tokens``, and a hit reads just the
@@ -408,7 +409,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         every run is one block further right.
         """
         block_size = kv_cache_spec.block_size
-        need = cls._contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
+        need = cls.num_contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
                                               use_eagle)
         per_segment = alignment_tokens // block_size
         if need >= per_segment:
@@ -433,8 +434,10 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: list[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
+                               alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         """Blocks before the chunk of token ``max_length`` count as computed (null);
         inside that chunk, the longest cached run from the chunk start.
 
@@ -468,22 +471,26 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
     """Blocks for the encoder's output (Whisper): allocated once from
     ``num_encoder_tokens`` on the first step, private to the request, never cached."""
 
-    def add_local_computed_blocks(self, request_id, new_computed_blocks,
-                                  num_local_computed_tokens, num_external_computed_tokens):
+    def add_local_computed_blocks(self, request_id: str,
+                                  new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
         if new_computed_blocks:
             raise ValueError("cross-attention blocks are never prefix hits")
 
-    def allocate_external_computed_blocks(self, request_id, num_local_computed_tokens,
-                                          num_external_computed_tokens):
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
         return  # encoder states are not loaded from a connector
 
-    def cache_blocks(self, request, num_tokens):
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         raise ValueError("cross-attention blocks are never cached; "
                          "this needs enable_caching=False")
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: list[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
+                               alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         raise ValueError("cross-attention does not support prefix caching; "
                          "this needs enable_caching=False")
 
@@ -543,8 +550,10 @@ class MambaManager(SingleTypeKVCacheManager):
         return self.mamba_cache_mode == "align"
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, drop_eagle_block, alignment_tokens):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int,
+                               kv_cache_group_ids: list[int], block_pool: BlockPool,
+                               kv_cache_spec: KVCacheSpec, drop_eagle_block: bool,
+                               alignment_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         """The rightmost cached state on an aligned boundary, nulls before it.
 
         Block size 4, states cached after blocks 0 and 2, max_length 15:
@@ -565,9 +574,10 @@ class MambaManager(SingleTypeKVCacheManager):
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return num_computed_tokens - 1
 
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
-                                   total_computed_tokens, num_tokens_main_model,
-                                   apply_admission_cap=False):
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock],
+                                   total_computed_tokens: int, num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
         if new_computed_blocks and \
                 new_computed_blocks[-1].block_hash in self.cached_blocks_this_step:
             # More than the pool holds: "cannot allocate now, try next step".
@@ -587,7 +597,8 @@ class MambaManager(SingleTypeKVCacheManager):
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new + num_evictable
 
-    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list[KVCacheBlock]:
         if not self._align:
             return super().allocate_new_blocks(
                 request_id, num_tokens + self.block_size * self.num_speculative_blocks,
@@ -630,7 +641,8 @@ class MambaManager(SingleTypeKVCacheManager):
         self._allocated_block_reqs.add(request_id)
         return blocks[prev_len:]
 
-    def remove_skipped_blocks(self, request_id, total_computed_tokens, num_prompt_tokens=None):
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
         # With async scheduling the count may include drafts that get rejected;
         # stay conservative (vLLM subtracts the number of speculative *blocks*).
         num_computed = max(0, total_computed_tokens - self.num_speculative_blocks)
@@ -645,7 +657,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.block_pool.free_blocks([blocks[last]])
                 blocks[last] = self._null_block
 
-    def cache_blocks(self, request, num_tokens):
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens)
         after = self.num_cached_block.get(request.request_id, 0)
@@ -653,7 +665,7 @@ class MambaManager(SingleTypeKVCacheManager):
             if not block.is_null and block.block_hash is not None:
                 self.cached_blocks_this_step.add(block.block_hash)
 
-    def pop_blocks_for_free(self, request_id):
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)

@@ -14,6 +14,8 @@
     model_free_runner.py  (none)                             a runner with no model, no torch
     model.py              model_executor/models/llama.py     plain-torch Llama, Qwen2, Qwen3
                           (qwen2.py, qwen3.py)
+    model_config.py       config/model.py                    ModelConfig (from a transformers
+                          (+ transformers_utils/config.py)   config), no torch
     loader.py             model_executor/model_loader/       default_loader, weight_utils
     ngram_proposer.py     v1/spec_decode/ngram_proposer.py   speculative drafts
     request.py            v1/request.py                      EngineRequest, check_stop

@@ -52,6 +52,12 @@ class RunnerRequestStates:
     accepted) and fills the placeholders with the draft it proposed after the
     request's latest sample (cut to the slots scheduled, the rest ``-1``,
     which no model token equals). vLLM's GPU runner does the same on device.
+    (vLLM runs async scheduling with the ``ngram_gpu`` proposer, not the CPU
+    ``ngram`` one; its worker also trims the slots it has no draft for from the
+    step, ``update_scheduler_for_invalid_drafts``, where kvref lets the ``-1``
+    slots be rejected. The recorded async traces drive vLLM's AsyncScheduler
+    with a worker that fills the slots as kvref does, so they check the
+    scheduler under this worker, not under ngram_gpu's trimming.)
     """
 
     def __init__(self, drafter: NgramProposer | None = None,
@@ -97,6 +103,10 @@ class RunnerRequestStates:
                 state.num_computed_tokens = num_computed
             if req_id in cached.all_token_ids:
                 state.token_ids = list(cached.all_token_ids[req_id])
+            if cached.num_output_tokens and not self.async_scheduling:
+                # A token sampled over a failed KV load was dropped by the scheduler.
+                # (Async: the runner's tokens run ahead of the scheduler's by design.)
+                del state.token_ids[state.num_prompt_tokens + cached.num_output_tokens[i]:]
             new_block_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # A resumed request starts from a fresh table (its old blocks were freed).

@@ -42,7 +42,6 @@ platform turns it off; kvref runs it on CPU when asked to).
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -50,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvref import KVCacheManager, SlidingWindowSpec
+from kvref import KVCacheConfig, KVCacheManager
 from kvref.engine.async_scheduler import AsyncScheduler
 from kvref.engine.core import make_engine_core
 from kvref.engine.loader import load_model
@@ -108,14 +107,16 @@ def resolve_batch_limits(device: torch.device | str, max_model_len: int,
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence (``vllm/outputs.py``). ``logits``: one
-    ``[vocab]`` float32 tensor per generated token, when the LLM keeps them."""
+    """One generated sequence (``vllm/outputs.py``). ``stop_reason``: the stop
+    token that ended it (None for EOS or a length cap, as in vLLM). ``logits``:
+    one ``[vocab]`` float32 tensor per generated token, when the LLM keeps them."""
 
     index: int
     token_ids: list[int]
     finish_reason: str | None
     logits: list[torch.Tensor] = field(default_factory=list)
     text: str | None = None        # the tokens decoded, when the LLM has a tokenizer
+    stop_reason: int | None = None
 
 
 @dataclass
@@ -128,6 +129,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     prompt: str | None = None      # the prompt's text, when it was given as text
+    kv_transfer_params: dict | None = None    # what a KV connector returned for it
 
 
 class LLM:
@@ -167,6 +169,11 @@ class LLM:
         async_scheduling: plan step N+1 while the model runs step N
             (``AsyncScheduler`` + ``AsyncEngineCore``); None: vLLM's default
             for the device (see the module docstring).
+        kv_transfer_config: a ``KVTransferConfig`` (``kvref.distributed``): a KV
+            connector, its scheduler half in ``llm.scheduler.connector`` and its
+            worker half in ``llm.model_runner.kv_connector``. Needs a model with
+            one KV cache group (no sliding-window layers), as vLLM's connectors
+            without hybrid-allocator support do.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_gpu_blocks: int | None = None,
@@ -179,7 +186,8 @@ class LLM:
                  enable_kv_cache_events: bool = False,
                  speculative_config: dict | None = None,
                  scheduler_reserve_full_isl: bool = True,
-                 async_scheduling: bool | None = None, tokenizer=None) -> None:
+                 async_scheduling: bool | None = None, tokenizer=None,
+                 kv_transfer_config=None) -> None:
         self.device = torch.device(device)
         self.model = load_model(model, self.device, dtype)
         self.tokenizer = _load_tokenizer(model, tokenizer)
@@ -198,7 +206,7 @@ class LLM:
                              f"({self.max_model_len})")
 
         probe = make_kv_cache_config(config, block_size, 1, self.dtype)
-        per_request = self._blocks_per_full_request(probe, block_size)
+        per_request = self._blocks_per_full_request(probe)
         if num_gpu_blocks is None:
             num_tensors = max(len(g.layer_names) for g in probe.kv_cache_groups)
             block_bytes = num_tensors * probe.kv_cache_groups[0].kv_cache_spec.page_size_bytes
@@ -227,12 +235,14 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_chunked_prefill=enable_chunked_prefill, eos_token_id=config.eos_token_id,
             scheduler_reserve_full_isl=scheduler_reserve_full_isl,
-            num_speculative_tokens=drafter.k if drafter else 0)
+            num_speculative_tokens=drafter.k if drafter else 0,
+            kv_transfer_config=kv_transfer_config)
         self.model_runner = GPUModelRunner(
             self.model, self.kv_cache_config, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_seqs,
             device=self.device, dtype=self.dtype, keep_logits=keep_logits,
-            drafter=drafter, async_scheduling=async_scheduling)
+            drafter=drafter, async_scheduling=async_scheduling,
+            kv_transfer_config=kv_transfer_config)
         self.engine_core = make_engine_core(self.scheduler, self.model_runner)
         self.after_step: list[Callable[[LLM], None]] = []
         self._logits: dict[str, list[torch.Tensor]] = {}
@@ -278,16 +288,14 @@ class LLM:
         high = low if high is None else high
         return NgramProposer(low, high, k, self.max_model_len)
 
-    def _blocks_per_full_request(self, kv_cache_config, block_size: int) -> int:
-        total = 0
-        for group in kv_cache_config.kv_cache_groups:
-            blocks = math.ceil(self.max_model_len / block_size)
-            spec = group.kv_cache_spec
-            if isinstance(spec, SlidingWindowSpec):
-                blocks = min(blocks, spec.max_admission_blocks_per_request(
-                    self.max_num_batched_tokens, self.max_model_len))
-            total += blocks
-        return total
+    def _blocks_per_full_request(self, kv_cache_config: KVCacheConfig) -> int:
+        """Blocks one request of ``max_model_len`` tokens holds at its peak, summed
+        over the groups: what vLLM's start-up check (``_check_enough_kv_cache_memory``
+        over ``_max_memory_usage_bytes_from_groups``) asks the pool for."""
+        return sum(group.kv_cache_spec.max_num_blocks_per_request(
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens)
+            for group in kv_cache_config.kv_cache_groups)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -356,10 +364,12 @@ class LLM:
         logits = self._logits.pop(request.request_id, [])[:len(tokens)]
         text = (None if self.tokenizer is None else
                 self.tokenizer.decode(tokens, skip_special_tokens=True))
-        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits, text)
+        completion = CompletionOutput(0, tokens, request.get_finished_reason(), logits, text,
+                                      request.stop_reason)
         return RequestOutput(request.request_id, list(request.prompt_token_ids),
                              [completion], True, request.num_cached_tokens,
-                             self._prompt_text.pop(request.request_id, None))
+                             self._prompt_text.pop(request.request_id, None),
+                             kv_transfer_params=request.kv_transfer_params_out)
 
 
 def _as_token_ids(tokens) -> list[int]:

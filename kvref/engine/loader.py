@@ -25,7 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
-from kvref.engine.model import ModelConfig, TransformerForCausalLM
+from kvref.engine.model import TransformerForCausalLM
+from kvref.engine.model_config import ModelConfig
 
 __all__ = ["iterate_checkpoint_weights", "load_hf_config", "load_model"]
 

@@ -30,119 +30,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kvref.attention import KVGatherBuffer, PagedAttentionPlan
+from kvref.engine.model_config import ModelConfig
 
+# ModelConfig lives in model_config.py (the HF-config plumbing); exported here too.
 __all__ = ["AttentionMetadata", "ModelConfig", "RotaryEmbedding", "TransformerForCausalLM"]
-
-SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3"}
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture, read from a ``transformers`` config (``from_hf_config``)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False     # bias on q, k, v (always in Qwen2)
-    o_proj_bias: bool = False        # bias on the output projection (never in Qwen2)
-    mlp_bias: bool = False
-    qk_norm: bool = False            # RMSNorm over each head of q and k (Qwen3)
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = None
-    eos_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a "
-                             f"multiple of num_key_value_heads {self.num_key_value_heads}")
-        rope_type = self.rope_scaling.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} is not supported; "
-                             f"supported: {sorted(SUPPORTED_ROPE_TYPES)}")
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types",
-                               ("full_attention",) * self.num_hidden_layers)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
-                             f"{self.num_hidden_layers} layers")
-        for kind in self.layer_types:
-            if kind not in ("full_attention", "sliding_attention"):
-                raise ValueError(f"layer type {kind!r} is not supported "
-                                 "(full_attention, sliding_attention)")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
-            raise ValueError("sliding_attention layers need a sliding_window")
-
-    def layer_sliding_window(self, layer_idx: int) -> int | None:
-        """The window of layer ``layer_idx`` (None: full attention)."""
-        if self.layer_types[layer_idx] == "sliding_attention":
-            return self.sliding_window
-        return None
-
-    @classmethod
-    def from_hf_config(cls, hf_config) -> ModelConfig:
-        """Read a ``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` (transformers 4 or 5)."""
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model_type {model_type!r} is not supported; "
-                             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (silu)")
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        # transformers 5 keeps theta and scaling in rope_parameters; 4 in two fields.
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-        if not rope:
-            rope = dict(getattr(hf_config, "rope_scaling", None) or {})
-            rope.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        rope.setdefault("rope_type", rope.get("type", "default"))
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1.0 is not supported")
-        layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
-        sliding_window = getattr(hf_config, "sliding_window", None)
-        if "sliding_attention" not in layer_types:
-            sliding_window = None
-        eos = getattr(hf_config, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        return cls(
-            architecture=model_type, vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
-            num_hidden_layers=hf_config.num_hidden_layers, num_attention_heads=num_heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim, rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", 10000.0)), rope_scaling=rope,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            # Qwen2 has a q/k/v bias and no output bias, whatever its config
-            # says; Llama's and Qwen3's attention_bias puts one on all four.
-            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias",
-                                                                 False)),
-            o_proj_bias=model_type != "qwen2" and bool(getattr(hf_config, "attention_bias",
-                                                               False)),
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3", layer_types=layer_types,
-            sliding_window=sliding_window, eos_token_id=eos)
-
 
 @dataclass
 class AttentionMetadata:
@@ -168,6 +65,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: PagedAttentionPlan
+    # The worker half of a KV connector, or None: each attention layer waits for its
+    # load before and hands its KV to save after (vLLM's maybe_transfer_kv_layer).
+    kv_connector: object | None = None
 
 
 class RMSNorm(nn.Module):
@@ -242,6 +142,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_name = f"model.layers.{layer_idx}.self_attn.attn"   # its KV cache's name
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -268,11 +169,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb.rotate(q, k, *rope)        # rope: (cos, sin) of the positions
+        if meta.kv_connector is not None:
+            meta.kv_connector.wait_for_layer_load(self.layer_name)
         meta.plan.write_kv(kv_cache, k, v)            # write_kv, slots checked once per step
         if meta.plan.sliding_window != self.sliding_window:
             raise ValueError(f"layer window {self.sliding_window}, but its metadata was "
                              f"planned for window {meta.plan.sliding_window}")
         out = meta.plan.attend(q, kv_cache, self.scale, self.gather_buffer)   # [T, H, D]
+        if meta.kv_connector is not None:
+            meta.kv_connector.save_kv_layer(self.layer_name, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))          # [T, hidden]
 
 

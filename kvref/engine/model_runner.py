@@ -55,7 +55,11 @@ import torch
 
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from kvref.attention import PagedAttentionPlan, make_kv_cache
-from kvref.engine.model import AttentionMetadata, ModelConfig, TransformerForCausalLM
+from kvref.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorOutput,
+                                                                KVConnectorRole)
+from kvref.engine.model import AttentionMetadata, TransformerForCausalLM
+from kvref.engine.model_config import ModelConfig
 from kvref.engine.gpu_input_batch import CachedRequestState, RunnerRequestStates
 from kvref.engine.ngram_proposer import NgramProposer
 from kvref.engine.outputs import ModelRunnerOutput
@@ -120,13 +124,20 @@ class GPUModelRunner(RunnerRequestStates):
         drafter: an ``NgramProposer`` for speculative decoding, or None.
         async_scheduling: the scheduler is an ``AsyncScheduler`` (see
             ``gpu_input_batch.RunnerRequestStates``).
+        kv_transfer_config: a ``KVTransferConfig``: the runner builds the
+            connector's WORKER half (``self.kv_connector``) and registers its KV
+            caches with it; every step then loads before the forward, saves
+            layer by layer and reports finished transfers in
+            ``ModelRunnerOutput.kv_connector_output`` (vLLM's
+            ``KVConnectorModelRunnerMixin``).
     """
 
     def __init__(self, model: TransformerForCausalLM, kv_cache_config: KVCacheConfig, *,
                  max_model_len: int, max_num_batched_tokens: int, max_num_reqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  keep_logits: bool = False, drafter: NgramProposer | None = None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False,
+                 kv_transfer_config=None) -> None:
         super().__init__(drafter, async_scheduling)
         self.model = model
         self.kv_cache_config = kv_cache_config
@@ -151,6 +162,12 @@ class GPUModelRunner(RunnerRequestStates):
         # Per table row: the block-id lists it was filled from, and their lengths then.
         self._row_contents: list[tuple[tuple[list[int], ...], list[int]] | None] = \
             [None] * max_num_reqs
+        self.kv_connector = None
+        if kv_transfer_config is not None:
+            self.kv_connector = KVConnectorFactory.create_connector(
+                kv_transfer_config, KVConnectorRole.WORKER, kv_cache_config)
+            self.kv_connector.register_kv_caches(
+                {layer_name(i): cache for i, cache in enumerate(self.kv_caches)})
 
     def _initialize_kv_cache(self) -> list[torch.Tensor]:
         """Layer ``j`` of each group shares the ``j``-th tensor; returns one view per layer."""
@@ -181,6 +198,23 @@ class GPUModelRunner(RunnerRequestStates):
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute_model(scheduler_output)
+        # KV connector seam: load before the forward, save after, report what ended.
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        connector.start_load_kv()
+        output = self._execute_model(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            connector.wait_for_save()             # (a step without a forward saves nothing)
+        sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
+        output.kv_connector_output = KVConnectorOutput(
+            finished_sending=sending, finished_recving=recving,
+            invalid_block_ids=connector.get_block_ids_with_load_errors())
+        connector.clear_connector_metadata()
+        return output
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         states = self.update_states(scheduler_output)
         req_ids = [s.req_id for s in states]
         output = ModelRunnerOutput(req_ids=req_ids,
@@ -260,7 +294,8 @@ class GPUModelRunner(RunnerRequestStates):
                 query_start_loc=query_start_loc_t, seq_lens=seq_lens_t,
                 block_table=block_table, slot_mapping=slot_mappings[g],
                 max_query_len=max(num_scheduled_tokens[s.req_id] for s in states),
-                max_seq_len=max(seq_lens), plan=plan))
+                max_seq_len=max(seq_lens), plan=plan,
+                kv_connector=self.kv_connector))
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=positions_t,

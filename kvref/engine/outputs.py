@@ -28,3 +28,5 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logits: dict[str, object] = field(default_factory=dict)
+    # With a KV connector: finished transfers and failed loads (``KVConnectorOutput``).
+    kv_connector_output: object | None = None

@@ -29,13 +29,11 @@ class EngineRequest(Request):
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, *,
                  eos_token_id: int | None = None,
-                 block_hasher: Callable[[Request], list[bytes]] | None = None,
-                 arrival_time: float = 0.0) -> None:
+                 block_hasher: Callable[[Request], list[bytes]] | None = None) -> None:
         self.sampling_params = sampling_params or SamplingParams()
         super().__init__(request_id, prompt_token_ids, block_hasher=block_hasher,
                          max_tokens=self.sampling_params.max_tokens)
         self.eos_token_id = eos_token_id
-        self.arrival_time = arrival_time
         self.output_token_ids: list[int] = []
         # Prompt tokens the prefix cache served at the last admission before
         # the first output token (vLLM's PrefillStats: a preemption before
@@ -50,7 +48,14 @@ class EngineRequest(Request):
         self.num_output_placeholders = 0
         # The last step that scheduled it (the deferred-free fence; vLLM's name).
         self.last_sched_seq = 0
+        # The stop token that finished it (None: EOS, a length cap, or unfinished).
         self.stop_reason: int | None = None
+        # KV connector: what the request asks of it (vLLM reads the same dict from
+        # sampling_params.extra_args["kv_transfer_params"]), and what it said back.
+        extra = self.sampling_params.extra_args or {}
+        self.kv_transfer_params: dict | None = (
+            dict(extra["kv_transfer_params"]) if extra.get("kv_transfer_params") else None)
+        self.kv_transfer_params_out: dict | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -66,13 +71,15 @@ class EngineRequest(Request):
         super().append_output_token_ids(ids)
 
     def get_finished_reason(self) -> str | None:
-        """``"stop"`` or ``"length"`` (vLLM's names), None while unfinished."""
+        """``"stop"``, ``"length"`` or ``"abort"`` (vLLM's names), None while unfinished."""
         if self.status == RequestStatus.FINISHED_STOPPED:
             return "stop"
         if self.status == RequestStatus.FINISHED_LENGTH_CAPPED:
             return "length"
         if self.status == RequestStatus.FINISHED_ABORTED:
             return "abort"
+        if self.status == RequestStatus.FINISHED_ERROR:
+            return "error"
         return None
 
 

@@ -27,6 +27,9 @@ class SamplingParams:
         min_tokens: no stop on EOS or stop tokens before this many tokens.
         stop_token_ids: more token ids that finish the request.
         seed: seed of this request's sampler (temperature > 0 only).
+        extra_args: free-form extras; ``{"kv_transfer_params": {...}}`` is what a
+            KV connector reads (``{"do_remote_decode": True}`` on a prefill engine,
+            ``{"do_remote_prefill": True}`` on a decode engine).
     """
 
     temperature: float = 0.0
@@ -35,6 +38,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:

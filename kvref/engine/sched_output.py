@@ -45,6 +45,9 @@ class CachedRequestData:
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Output tokens the scheduler kept, per request: a runner that sampled more
+    # (its token was dropped after a failed KV load) cuts back to this.
+    num_output_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -59,3 +62,5 @@ class SchedulerOutput:
     num_common_prefix_blocks: list[int]
     preempted_req_ids: set[str]
     finished_req_ids: set[str]            # finished since the previous step
+    # With a KV connector: its plan for this step (loads, saves), for the runner's half.
+    kv_connector_metadata: object | None = None

@@ -1,8 +1,7 @@
 """The scheduler: which requests run this step, and how many tokens each.
 
 Mirrors ``vllm/v1/core/sched/scheduler.py`` (v0.25.1), FCFS policy, without
-the KV connector (its deferred frees are here: ``kv_consumer``), encoder
-inputs, LoRA and structured output; speculative decoding only with draft
+encoder inputs, LoRA and structured output; speculative decoding only with draft
 tokens that need no KV lookahead slots (the n-gram proposer), with vLLM's
 padding of a one-token admission to ``1 + k`` tokens. Async scheduling is the
 subclass in ``async_scheduler.py``. What is left is the part that drives the
@@ -56,6 +55,24 @@ with the second::
     update_draft_token_ids(drafts)
       draft tokens for the next step (decoding requests only).
 
+With a KV connector (``kv_transfer_config``; ``kvref/distributed/``) the
+waiting loop asks it for external hits after the local one, and the rest is
+vLLM's connector path (the methods under "KV connector" below)::
+
+      num_ext, load_async = connector.get_num_new_matched_tokens(req, num_hit)
+      num_computed = num_hit + num_ext          # external hits follow local ones
+      load_async:  allocate_slots(req, 0, ..., num_ext, delay_cache_blocks=True,
+                                  reserved_blocks=<what in-flight prefills still need>)
+                   -> WAITING_FOR_REMOTE_KVS in skipped_waiting, no tokens this step;
+                   when the worker reports it received: cache its blocks, WAITING again
+                   (a full prompt recomputes its last token), admitted like any other
+      otherwise:   allocate_slots(req, n, ..., num_ext); loaded before the forward
+      connector.update_state_after_alloc(req, its blocks, num_ext)
+    schedule() ends with output.kv_connector_metadata = connector.build_connector_meta(output)
+    update_from_output: invalid (failed) blocks -> back to the first of them
+      ("recompute") or FINISHED_ERROR ("fail"); finished sends free held blocks
+    a finishing request: connector.request_finished(req, block_ids) may hold its blocks
+
 Use it with any runner that turns a ``SchedulerOutput`` (``sched_output.py``)
 into a ``ModelRunnerOutput`` (``outputs.py``), stepped by ``EngineCore``
 (``core.py``): ``kvref.engine.model_runner.GPUModelRunner`` runs a real model;
@@ -81,7 +98,8 @@ API summary (what other code relies on):
     ``Scheduler(kv_cache_manager, max_num_batched_tokens, max_num_seqs=128,
     max_model_len=None, long_prefill_token_threshold=0,
     enable_chunked_prefill=True, eos_token_id=None, *,
-    scheduler_reserve_full_isl=True, num_speculative_tokens=0, kv_consumer=False)``;
+    scheduler_reserve_full_isl=True, num_speculative_tokens=0, kv_consumer=False,
+    kv_transfer_config=None)`` (``connector``: its scheduler half, or None);
     ``new_request(request_id, prompt_token_ids, sampling_params) -> EngineRequest``
     or ``add_request(EngineRequest)``; ``schedule() -> SchedulerOutput``;
     ``update_from_output(scheduler_output, model_runner_output) -> list[EngineRequest]``
@@ -96,6 +114,7 @@ API summary (what other code relies on):
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections import deque
 from collections.abc import Iterable
@@ -103,12 +122,20 @@ from dataclasses import dataclass, field
 
 from kvref import (KVCacheBlocks, KVCacheManager, RequestStatus, get_request_block_hasher,
                    init_none_hash, sha256)
+from kvref.distributed.kv_transfer.kv_connector.factory import (KVConnectorFactory,
+                                                                KVTransferConfig)
+from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorOutput,
+                                                                KVConnectorRole)
 from kvref.engine.outputs import ModelRunnerOutput
 from kvref.engine.request import EngineRequest, check_stop
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvref.math_utils import cdiv
+from kvref.stats import PrefixCacheStats
 
 __all__ = ["Scheduler", "SchedulerStats", "StepRecord"]
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------
@@ -137,9 +164,10 @@ class StepRecord:
 class SchedulerStats:
     """Totals over the scheduler's life.
 
-    Every prompt token is either computed or served by the prefix cache, once
-    per admission: ``prompt_tokens_computed + prompt_tokens_cached`` equals the
-    prompt lengths summed, plus what preemption made the engine do again.
+    Every prompt token is either computed, served by the prefix cache or
+    brought by a KV connector, once per admission: ``prompt_tokens_computed +
+    prompt_tokens_cached + prompt_tokens_external`` equals the prompt lengths
+    summed, plus what preemption (or a failed KV load) made the engine do again.
     """
 
     num_steps: int = 0
@@ -149,9 +177,15 @@ class SchedulerStats:
     num_finished: int = 0
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
+    prompt_tokens_external: int = 0       # loaded by the KV connector
+    num_kv_load_failures: int = 0         # requests whose KV load failed (either policy)
     total_tokens_scheduled: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # kvref's counts (vLLM keeps none): admissions padded to 1 + k with -1
+    # drafts, and admissions stopped because 1 + k did not fit.
+    num_padded_admissions: int = 0
+    num_padding_refusals: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -186,6 +220,9 @@ class Scheduler:
             flight (``AsyncScheduler``) the blocks of a request freed while a
             step that writes them is still running go back to the pool only
             once that step's output is processed (vLLM's ``defer_block_free``).
+        kv_transfer_config: a ``KVTransferConfig``: the scheduler builds the
+            connector's SCHEDULER half (``self.connector``; None without); a
+            consumer's config sets ``kv_consumer``.
     """
 
     # Batches in flight at once: 1 here, 2 for the AsyncScheduler (vLLM's
@@ -196,7 +233,8 @@ class Scheduler:
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  long_prefill_token_threshold: int = 0, enable_chunked_prefill: bool = True,
                  eos_token_id: int | None = None, *, scheduler_reserve_full_isl: bool = True,
-                 num_speculative_tokens: int = 0, kv_consumer: bool = False) -> None:
+                 num_speculative_tokens: int = 0, kv_consumer: bool = False,
+                 kv_transfer_config: KVTransferConfig | None = None) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_num_seqs < 1:
@@ -227,7 +265,28 @@ class Scheduler:
 
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()
+        # Requests blocked on something outside the scheduler (a KV load in flight);
+        # FCFS looks at them before ``waiting`` (vLLM's ``skipped_waiting``).
+        self.skipped_waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
+        # Requests admitted and still prefilling, or loading KV asynchronously: the
+        # blocks they will still take are kept from a new asynchronous load.
+        self._inflight_prefills: set[EngineRequest] = set()
+
+        # KV connector (vLLM's KVTransfer), scheduler side.
+        self.connector = None
+        self.recompute_kv_load_failures = True
+        if kv_transfer_config is not None:
+            self.connector = KVConnectorFactory.create_connector(
+                kv_transfer_config, KVConnectorRole.SCHEDULER, kv_cache_manager.kv_cache_config)
+            self.recompute_kv_load_failures = \
+                kv_transfer_config.kv_load_failure_policy == "recompute"
+        # Tokens asked of the connector beyond the local hit, and those it had.
+        self.connector_prefix_cache_stats = PrefixCacheStats() if self.connector else None
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        self._async_local_hits: dict[str, int] = {}   # req -> local hit when its load began
+
         self.finished_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
         self.step_records: list[StepRecord] = []
@@ -237,8 +296,9 @@ class Scheduler:
         # Deferred frees (vLLM's fence): steps scheduled and steps processed,
         # counted over steps that schedule tokens, and the blocks waiting for a
         # step to be processed, as (step the blocks wait for, blocks).
-        self.kv_consumer = kv_consumer
-        self.defer_block_free = kv_consumer and self.max_concurrent_batches > 1
+        self.kv_consumer = kv_consumer or (kv_transfer_config is not None
+                                           and kv_transfer_config.is_kv_consumer)
+        self.defer_block_free = self.kv_consumer and self.max_concurrent_batches > 1
         self.sched_step_seq = 0
         self.processed_step_seq = 0
         self.deferred_frees: deque[tuple[int, list]] = deque()
@@ -276,22 +336,33 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
                 continue
+            delay_free_blocks = False
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.skipped_waiting:
+                self.skipped_waiting.remove(request)
             else:
                 self.waiting.remove(request)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Its load is still writing into its blocks: free them when it ends.
+                delay_free_blocks = request_id not in self.finished_recving_kv_req_ids
+                self.finished_recving_kv_req_ids.discard(request_id)
+                self.failed_recving_kv_req_ids.discard(request_id)
             request.status = finished_status
-            self._free_request(request)
+            self._free_request(request, delay_free_blocks=delay_free_blocks)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
     def has_finished_requests(self) -> bool:
-        """Finished since the last ``schedule()``: the next output must still report them."""
-        return bool(self.finished_req_ids)
+        """Finished since the last ``schedule()`` (the next output must still report
+        them), or finished with blocks a KV connector still holds (sending their KV)."""
+        return bool(self.finished_req_ids) or \
+            len(self.requests) > self.get_num_unfinished_requests()
 
     def has_requests(self) -> bool:
         """Whether the engine must step again (vLLM's ``has_requests``): unfinished
@@ -373,50 +444,102 @@ class Scheduler:
 
         # 2. WAITING requests, unless this step had to preempt (the pool is tight).
         if not preempted:
-            while self.waiting and token_budget > 0:
+            step_skipped: list[EngineRequest] = []
+            while (self.waiting or self.skipped_waiting) and token_budget > 0:
                 if len(self.running) >= self.max_num_running_reqs:
                     break
-                request = self.waiting[0]
+                queue = self.skipped_waiting or self.waiting
+                request = queue[0]
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS \
+                        and not self._try_promote_blocked_waiting_request(request):
+                    step_skipped.append(queue.popleft())      # still loading
+                    continue
 
+                num_external_computed_tokens = 0
+                load_kv_async = False
                 if request.num_computed_tokens == 0:
                     new_computed_blocks, num_new_local_computed_tokens = \
                         manager.get_computed_blocks(request)
+                    if self.connector is not None:
+                        num_external, load_kv_async = \
+                            self.connector.get_num_new_matched_tokens(
+                                request, num_new_local_computed_tokens)
+                        if num_external is None:
+                            step_skipped.append(queue.popleft())   # ask again next step
+                            continue
+                        num_external_computed_tokens = num_external
+                    num_computed_tokens = (num_new_local_computed_tokens
+                                           + num_external_computed_tokens)
+                    assert num_computed_tokens <= request.num_tokens
                 else:
+                    # A request whose asynchronous load landed: its tokens are computed.
                     new_computed_blocks = manager.empty_kv_cache_blocks
                     num_new_local_computed_tokens = 0
-                num_computed_tokens = request.num_computed_tokens + num_new_local_computed_tokens
+                    num_computed_tokens = request.num_computed_tokens
 
-                # num_tokens, not the prompt: a resumed request recomputes its outputs too.
-                num_new_tokens = request.num_tokens - num_computed_tokens
                 pad_spec_decode = False
-                if (self.num_spec_tokens > 0 and num_new_tokens == 1
-                        and scheduled_running and not prefill_scheduled):
-                    # One token left (a prefix hit of all but the last token, new or
-                    # resumed) while the batch is all decodes: vLLM schedules it as a
-                    # decode with k draft slots of -1, so the batch keeps one shape
-                    # (1 + k per request: a full CUDA graph). Rather than admit it
-                    # unpadded, admission stops when 1 + k does not fit.
-                    num_new_tokens = 1 + self.num_spec_tokens
-                    if (num_new_tokens > token_budget
-                            or num_computed_tokens + num_new_tokens > self.max_model_len):
+                if load_kv_async:
+                    num_new_tokens = 0            # nothing computes until the KV lands
+                else:
+                    # num_tokens, not the prompt: a resumed request recomputes its outputs.
+                    num_new_tokens = request.num_tokens - num_computed_tokens
+                    if (self.num_spec_tokens > 0 and num_new_tokens == 1
+                            and scheduled_running and not prefill_scheduled):
+                        # One token left (a prefix hit of all but the last token, new or
+                        # resumed) while the batch is all decodes: vLLM schedules it as a
+                        # decode with k draft slots of -1, so the batch keeps one shape
+                        # (1 + k per request: a full CUDA graph). Rather than admit it
+                        # unpadded, admission stops when 1 + k does not fit.
+                        num_new_tokens = 1 + self.num_spec_tokens
+                        if (num_new_tokens > token_budget
+                                or num_computed_tokens + num_new_tokens > self.max_model_len):
+                            self.stats.num_padding_refusals += 1
+                            break
+                        pad_spec_decode = True
+                    if 0 < self.long_prefill_token_threshold < num_new_tokens:
+                        num_new_tokens = self.long_prefill_token_threshold
+                    if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                         break
-                    pad_spec_decode = True
-                if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                    num_new_tokens = self.long_prefill_token_threshold
-                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
+                    num_new_tokens = min(num_new_tokens, token_budget)
 
+                # An async load holds its blocks with no progress until it lands: admit
+                # it only if the in-flight prefills can still finish after it.
+                reserved_blocks = self._inflight_prefill_reserved_blocks() \
+                    if load_kv_async else 0
                 new_blocks = manager.allocate_slots(
                     request, num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
+                    num_external_computed_tokens=num_external_computed_tokens,
+                    delay_cache_blocks=load_kv_async,
                     full_sequence_must_fit=self.scheduler_reserve_full_isl,
+                    reserved_blocks=reserved_blocks,
                     has_scheduled_reqs=bool(self.running))
                 if new_blocks is None:
                     break                         # no room: it stays first in line
 
-                self.waiting.popleft()
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request, manager.get_blocks(request.request_id),
+                        num_external_computed_tokens)
+                    if request.num_computed_tokens == 0:
+                        self.connector_prefix_cache_stats.record(
+                            num_tokens=request.num_tokens - num_new_local_computed_tokens,
+                            num_hits=num_external_computed_tokens,
+                            preempted=request.num_preemptions > 0)
+
+                queue.popleft()
+                if load_kv_async:
+                    # Blocks allocated, uncached; the request waits for its KV.
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    request.num_computed_tokens = num_computed_tokens
+                    self._async_local_hits[request.request_id] = num_new_local_computed_tokens
+                    self._count_prompt_tokens_cached(request, num_new_local_computed_tokens)
+                    prefix_hit_tokens[request.request_id] = num_new_local_computed_tokens
+                    self._inflight_prefills.add(request)
+                    step_skipped.append(request)
+                    continue
+
                 self.running.append(request)
                 if request.status == RequestStatus.WAITING:
                     scheduled_new.append(request)
@@ -429,14 +552,26 @@ class Scheduler:
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
+                if request.request_id in self._async_local_hits:
+                    # Its load landed: what it skips beyond the local hit came from outside.
+                    local = self._async_local_hits.pop(request.request_id)
+                    self._count_prompt_tokens_external(request, local, num_computed_tokens)
+                else:
+                    prefix_hit_tokens[request.request_id] = num_new_local_computed_tokens
+                    self._count_prompt_tokens_cached(request, num_new_local_computed_tokens)
+                    self._count_prompt_tokens_external(request, num_new_local_computed_tokens,
+                                                       num_computed_tokens)
                 request.num_computed_tokens = num_computed_tokens
                 if pad_spec_decode:
                     scheduled_spec_decode_tokens[request.request_id] = \
                         [-1] * self.num_spec_tokens
-                prefix_hit_tokens[request.request_id] = num_new_local_computed_tokens
+                    self.stats.num_padded_admissions += 1
                 if not request.output_token_ids:
                     request.num_cached_tokens = num_computed_tokens
-                self._count_prompt_tokens_cached(request, num_new_local_computed_tokens)
+                if num_computed_tokens + num_new_tokens < request.num_tokens:
+                    self._inflight_prefills.add(request)
+            # Skipped requests keep their order, ahead of the rest next step.
+            self.skipped_waiting.extendleft(reversed(step_skipped))
 
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens and token_budget >= 0
@@ -465,6 +600,9 @@ class Scheduler:
             num_common_prefix_blocks=num_common_prefix_blocks,
             preempted_req_ids={req.request_id for req in preempted},
             finished_req_ids=self.finished_req_ids)
+        if self.connector is not None:
+            # Plans this step's loads and saves; resets the connector's per-step state.
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._record_step(output, scheduled_new, scheduled_resumed, preempted,
                           prefix_hit_tokens)
         # The fence counts only steps that write KV (whose output comes back).
@@ -484,6 +622,7 @@ class Scheduler:
         """
         assert request.status == RequestStatus.RUNNING, "only running requests are preempted"
         self._free_request_blocks(request)
+        self._inflight_prefills.discard(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -501,6 +640,8 @@ class Scheduler:
                 request.last_sched_seq = self.sched_step_seq   # the step that writes its blocks
             request.is_prefill_chunk = request.num_computed_tokens < (
                 request.num_tokens + request.num_output_placeholders)
+            if not request.is_prefill_chunk:
+                self._inflight_prefills.discard(request)
         self.stats.total_tokens_scheduled += output.total_num_scheduled_tokens
         self.stats.num_steps += 1
         # A fresh set: the output just built keeps the old one.
@@ -521,6 +662,7 @@ class Scheduler:
             data.new_block_ids.append(
                 req_to_new_blocks[req.request_id].get_block_ids(allow_none=True))
             data.num_computed_tokens.append(req.num_computed_tokens)
+            data.num_output_tokens.append(req.num_output_tokens)
         return data
 
     # -- after the model ran ---------------------------------------------------
@@ -537,8 +679,17 @@ class Scheduler:
         stopped_running: list[EngineRequest] = []
         stopped_preempted: list[EngineRequest] = []
         record = self._records_in_flight.pop(id(scheduler_output), None)
+        kv_connector_output = model_runner_output.kv_connector_output
+        failed_kv_load_req_ids: set[str] = set()
+        if kv_connector_output is not None and kv_connector_output.invalid_block_ids:
+            # Blocks whose external KV never arrived: their requests go back to the
+            # first such block ("recompute") or are failed below ("fail").
+            failed_kv_load_req_ids = self._handle_invalid_blocks(
+                kv_connector_output.invalid_block_ids, scheduler_output.num_scheduled_tokens)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             assert n > 0
+            if req_id in failed_kv_load_req_ids:
+                continue                          # rescheduled (or failed) for a bad load
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue                          # aborted (or stopped) while the model ran
@@ -575,6 +726,14 @@ class Scheduler:
             self.running = [r for r in self.running if r not in stopped_running]
         for request in stopped_preempted:
             self.waiting.remove(request)
+        if failed_kv_load_req_ids and not self.recompute_kv_load_failures:
+            failed = [self.requests[req_id] for req_id in sorted(failed_kv_load_req_ids)]
+            self.finish_requests(failed_kv_load_req_ids, RequestStatus.FINISHED_ERROR)
+            finished.extend(failed)
+            if record is not None:
+                record.finished.extend(r.request_id for r in failed)
+        if self.connector is not None:
+            self._update_from_kv_xfer_finished(kv_connector_output or KVConnectorOutput())
         return finished
 
     def _update_request_with_output(self, request: EngineRequest, new_token_ids: list[int]
@@ -594,12 +753,23 @@ class Scheduler:
                 continue
             request.spec_token_ids = [] if request.is_prefill_chunk else list(draft)
 
-    def _free_request(self, request: EngineRequest) -> None:
+    def _free_request(self, request: EngineRequest, delay_free_blocks: bool = False) -> None:
+        """A finished request leaves; its blocks too, unless a transfer still uses
+        them (then ``_free_blocks`` runs when the connector reports it done)."""
         assert request.is_finished()
+        self._inflight_prefills.discard(request)
+        self._async_local_hits.pop(request.request_id, None)
+        connector_delay_free_blocks, request.kv_transfer_params_out = \
+            self._connector_finished(request)
         self.finished_req_ids.add(request.request_id)
+        self.stats.num_finished += 1
+        if not (delay_free_blocks or connector_delay_free_blocks):
+            self._free_blocks(request)
+
+    def _free_blocks(self, request: EngineRequest) -> None:
+        assert request.is_finished()
         self._free_request_blocks(request)
         del self.requests[request.request_id]
-        self.stats.num_finished += 1
 
     def _free_request_blocks(self, request: EngineRequest) -> None:
         """Give a request's blocks back, or, when a step still in flight may write
@@ -624,10 +794,147 @@ class Scheduler:
         ``kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())``)."""
         return [blocks for _, blocks in self.deferred_frees]
 
+    # -- KV connector ------------------------------------------------------------
+
+    def _connector_finished(self, request: EngineRequest) -> tuple[bool, dict | None]:
+        """Tell the connector a request ended; it may keep the blocks (a producer sending)."""
+        if self.connector is None:
+            return False, None
+        manager = self.kv_cache_manager
+        manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens,
+                                      request.num_prompt_tokens)
+        block_ids = manager.get_block_ids_for_computed_tokens(request.request_id,
+                                                              request.num_computed_tokens)
+        return self.connector.request_finished(request, block_ids[0])
+
+    def _request_remaining_blocks(self, request: EngineRequest) -> int:
+        """Blocks ``request`` still has to allocate to hold its whole sequence."""
+        manager = self.kv_cache_manager
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        return manager.coordinator.get_num_blocks_to_allocate(
+            request.request_id, num_tokens, manager.empty_kv_cache_blocks.blocks,
+            num_encoder_tokens=0, total_computed_tokens=request.num_computed_tokens,
+            num_tokens_main_model=num_tokens, apply_admission_cap=True)
+
+    def _inflight_prefill_reserved_blocks(self) -> int:
+        """What the admitted-but-unfinished prefills (and loads) will still allocate."""
+        return sum(self._request_remaining_blocks(r) for r in self._inflight_prefills)
+
+    def _try_promote_blocked_waiting_request(self, request: EngineRequest) -> bool:
+        """A request waiting for remote KV becomes schedulable once its load ended."""
+        if request.request_id not in self.finished_recving_kv_req_ids:
+            return False
+        self._update_waiting_for_remote_kv(request)
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions \
+            else RequestStatus.WAITING
+        return True
+
+    def _update_waiting_for_remote_kv(self, request: EngineRequest) -> None:
+        """The load ended: cache what arrived (delay_cache_blocks held it back)."""
+        manager = self.kv_cache_manager
+        if request.request_id in self.failed_recving_kv_req_ids:
+            # num_computed_tokens was cut back to the first failed block already.
+            if request.num_computed_tokens:
+                manager.cache_blocks(request, request.num_computed_tokens)
+            else:
+                manager.free(request)             # nothing usable; a retry may hit locally
+                self._async_local_hits.pop(request.request_id, None)
+            self.failed_recving_kv_req_ids.remove(request.request_id)
+        else:
+            manager.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens == request.num_tokens:
+                # A full hit still computes its last token: it gives the next one's logits.
+                request.num_computed_tokens = request.num_tokens - 1
+        self.finished_recving_kv_req_ids.remove(request.request_id)
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
+        """Finished loads make their requests schedulable; finished sends free blocks."""
+        self.connector.update_connector_output(kv_connector_output)
+        for req_id in kv_connector_output.finished_recving or ():
+            request = self.requests[req_id]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(req_id)
+            else:
+                assert request.is_finished()      # aborted while loading
+                self._free_blocks(request)
+        for req_id in kv_connector_output.finished_sending or ():
+            self._free_blocks(self.requests[req_id])
+
+    def _update_requests_with_invalid_blocks(self, requests: Iterable[EngineRequest],
+                                             invalid_block_ids: set[int],
+                                             num_scheduled_tokens: dict[str, int]
+                                             ) -> tuple[set[str], set[int]]:
+        """Cut each request holding a failed block back to the first one.
+
+        Returns the affected request ids and the blocks from each first failed
+        block on (vLLM evicts those from the prefix cache under "fail"). A failed
+        block shared by two requests is recomputed by the first; the second
+        only falls back to what it had computed before this step.
+        """
+        block_size = self.kv_cache_manager.kv_cache_config.kv_cache_groups[0] \
+            .kv_cache_spec.block_size
+        affected: set[str] = set()
+        blocks_from_failure: set[int] = set()
+        marked: set[int] = set()
+        for request in requests:
+            (block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)
+            num_computed = request.num_computed_tokens - \
+                num_scheduled_tokens.get(request.request_id, 0)
+            is_affected = marked_here = False
+            for index, block_id in enumerate(block_ids[:cdiv(num_computed, block_size)]):
+                if block_id not in invalid_block_ids:
+                    continue
+                is_affected = True
+                if block_id in marked:
+                    continue                      # an earlier request recomputes it
+                marked.add(block_id)
+                if marked_here:
+                    continue
+                marked_here = True
+                request.num_computed_tokens = index * block_size
+                blocks_from_failure.update(block_ids[index:])
+            if is_affected:
+                if not marked_here:
+                    request.num_computed_tokens = num_computed
+                affected.add(request.request_id)
+        return affected, blocks_from_failure
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
+                               num_scheduled_tokens: dict[str, int]) -> set[str]:
+        """Requests hit by failed loads; returns those update_from_output must skip."""
+        loading = [r for r in self.skipped_waiting
+                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        async_failed, _ = self._update_requests_with_invalid_blocks(
+            loading, invalid_block_ids, num_scheduled_tokens)
+        sync_failed, sync_blocks = self._update_requests_with_invalid_blocks(
+            self.running, invalid_block_ids, num_scheduled_tokens)
+        self.stats.num_kv_load_failures += len(async_failed) + len(sync_failed)
+        if not (async_failed or sync_failed):
+            return set()
+        if not self.recompute_kv_load_failures:
+            # The failed blocks (and what follows them) must not serve later hits.
+            if sync_blocks:
+                self.kv_cache_manager.evict_blocks(sync_blocks)
+            logger.error("KV load failed for request(s) %s: finishing them with an error "
+                         "(kv_load_failure_policy='fail')",
+                         sorted(async_failed | sync_failed))
+            return async_failed | sync_failed
+        logger.warning("KV load failed for request(s) %s: recomputing from the first "
+                       "failed block (kv_load_failure_policy='recompute')",
+                       sorted(async_failed | sync_failed))
+        # Recompute: async ones resume from what landed once their load ends.
+        self.failed_recving_kv_req_ids |= async_failed
+        return sync_failed
+
     # -- bookkeeping -------------------------------------------------------------
 
     def _count_prompt_tokens_cached(self, request: EngineRequest, num_hit: int) -> None:
         self.stats.prompt_tokens_cached += min(num_hit, request.num_prompt_tokens)
+
+    def _count_prompt_tokens_external(self, request: EngineRequest, num_local: int,
+                                      num_computed: int) -> None:
+        self.stats.prompt_tokens_external += max(
+            0, min(num_computed, request.num_prompt_tokens) - num_local)
 
     def _count_prompt_tokens_computed(self, request: EngineRequest, n: int) -> None:
         start = request.num_computed_tokens
@@ -646,6 +953,6 @@ class Scheduler:
             prefix_hit_tokens=prefix_hit_tokens,
             num_free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             num_running=len(self.running),
-            num_waiting=len(self.waiting))
+            num_waiting=len(self.waiting) + len(self.skipped_waiting))
         self.step_records.append(record)
         self._records_in_flight[id(output)] = record

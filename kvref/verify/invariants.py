@@ -302,7 +302,8 @@ def check_prefix_hit(manager: Any, request: Any, computed_blocks: Any,
             _fail("INV-HIT-1", f"a hit of {num_computed_tokens} tokens is not a whole "
                   f"number of group {g}'s blocks of {block_size}")
         if len(blocks) * block_size != num_computed_tokens:
-            _fail("INV-HIT-2", f"group {g}'s hit has {len(blocks)} blocks of {block_size} "
+            _fail("INV-HIT-2", f"group {g}'s hit has {len(blocks)} "
+                  f"block{'' if len(blocks) == 1 else 's'} of {block_size} "
                   f"= {len(blocks) * block_size} tokens, but the hit is "
                   f"{num_computed_tokens} tokens: allocate_slots would skip tokens that "
                   f"group holds no KV for")

@@ -53,7 +53,8 @@ class ReplayResult:
     num_steps: int                 # schedule() calls in the trace
     num_events: int
     divergence: str | None
-    divergent_steps: int           # schedule events that differ (0 when identical)
+    divergent_steps: int           # steps whose events differ (0 when identical)
+    stats: Any = None              # kvref's SchedulerStats after the replay
 
 
 def load_trace(path: str | Path) -> dict:
@@ -74,16 +75,20 @@ def build_engine(config: dict):
     bs = config["block_size"]
     groups = []
     for i, g in enumerate(config["groups"]):
+        group_bs = g.get("block_size", bs)
         if g["kind"] == "full":
-            spec = FullAttentionSpec(bs, num_kv_heads=1, head_size=64)
+            spec = FullAttentionSpec(group_bs, num_kv_heads=1, head_size=64)
         elif g["kind"] == "sliding_window":
-            spec = SlidingWindowSpec(bs, g["sliding_window"], num_kv_heads=1, head_size=64)
+            spec = SlidingWindowSpec(group_bs, g["sliding_window"], num_kv_heads=1,
+                                     head_size=64)
         else:
             raise ValueError(f"unknown KV cache group kind {g['kind']!r}")
         groups.append(KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec))
     manager = KVCacheManager(
         KVCacheConfig(config["num_blocks"], groups), max_model_len=config["max_model_len"],
-        scheduler_block_size=bs, hash_block_size=bs,
+        # Several block sizes: their lcm and gcd, as vLLM resolves them (in the trace).
+        scheduler_block_size=config.get("scheduler_block_size", bs),
+        hash_block_size=config.get("hash_block_size", bs),
         max_num_batched_tokens=config["max_num_batched_tokens"],
         enable_caching=config["enable_prefix_caching"], log_stats=True,
         watermark=config["watermark"])
@@ -238,7 +243,8 @@ def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> Replay
     elif error:
         first = f"{first} ({error})"
     num_steps = sum(1 for e in expected if e["op"] == "schedule")
-    return ReplayResult(name, num_steps, len(expected), first, divergent_steps)
+    return ReplayResult(name, num_steps, len(expected), first, divergent_steps,
+                        scheduler.stats)
 
 
 def replay_file(path: str | Path) -> list[ReplayResult]:

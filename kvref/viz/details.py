@@ -12,7 +12,8 @@ two functions, so what a picture says about a block is what the manager holds::
   parent hash in its chain (``None`` for a request's first block), the requests
   holding it (per group), its place in the free queue (0 = allocated next), and
   the ops that touched it so far (changed its ref count, hash or free-queue
-  membership), the last ones by name.
+  membership), the last ones by name, and the KV cache events about it (when
+  the trace has them on), each with the op that queued it.
 * ``request_details``: status, tokens, block ids per group, number of block
   hashes, and the request's ops so far.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.core.kv_cache_utils import get_block_hash, get_group_id
 from kvref.viz.player import TracePlayer
 from kvref.viz.pool import block_state
@@ -40,6 +42,7 @@ class BlockDetails:
     free_length: int = 0
     touched_by: list[int] = field(default_factory=list)             # op indices
     touched_ops: list[str] = field(default_factory=list)            # "free r3", one per index
+    kv_events: list[tuple[int, str]] | None = None  # (op that queued it, type); None: off
 
     def lines(self) -> list[str]:
         """The details as short lines of text (what the viewers print)."""
@@ -64,6 +67,10 @@ class BlockDetails:
             out.append(f"  … {len(ops) - TOUCHES_SHOWN} earlier")
         out += [f"  #{i} {what}" for i, what in zip(ops[-TOUCHES_SHOWN:],
                                                     self.touched_ops[-TOUCHES_SHOWN:])]
+        if self.kv_events is not None:
+            shown = ", ".join(f"#{i} {kind}" for i, kind in self.kv_events[-TOUCHES_SHOWN:])
+            out.append(f"KV events: {'… ' if len(self.kv_events) > TOUCHES_SHOWN else ''}"
+                       f"{shown or 'none yet'}")
         return out
 
 
@@ -90,7 +97,7 @@ class RequestDetails:
         return out
 
 
-def holders_of(manager) -> dict[int, list[tuple[str, int]]]:
+def holders_of(manager: KVCacheManager) -> dict[int, list[tuple[str, int]]]:
     """block id -> the (request, group) pairs whose block tables hold it."""
     out: dict[int, list[tuple[str, int]]] = {}
     for g, stm in enumerate(manager.coordinator.single_type_managers):
@@ -118,6 +125,8 @@ def block_details(player: TracePlayer, block_id: int) -> BlockDetails:
         queue.index(block_id) if block_id in queue else None, len(queue),
         list(player.touches.get(block_id, [])))
     details.touched_ops = [op_label(player.ops[i]) for i in details.touched_by]
+    if pool.enable_kv_cache_events:
+        details.kv_events = list(player.kv_events.get(block_id, []))
     return details
 
 

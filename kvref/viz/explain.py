@@ -9,8 +9,9 @@ runs and what changed is told::
 
 * ``allocate_slots``: the gates in ``KVCacheManager.allocate_slots``' order
   (full-sequence gate, window freeing, capacity + watermark gate), with the
-  blocks needed, free and short; the blocks taken from the free queue and which
-  cached ones that evicted.
+  blocks needed, free and short, as the manager itself weighed them
+  (``KVCacheManager.last_allocate_slots``); the blocks taken from the free
+  queue and which cached ones that evicted.
 * ``get_computed_blocks``: why the hit stopped where it did: the first block
   whose hash missed, the ``num_tokens - 1`` cap, a hybrid model's fixed point
   (each group's own hit vs the agreed one), EAGLE, alignment.
@@ -20,13 +21,16 @@ runs and what changed is told::
 
 from __future__ import annotations
 
+from kvref.core.block_pool import BlockPool
 from kvref.core.kv_cache_coordinator import HybridKVCacheCoordinator
+from kvref.core.kv_cache_manager import AllocateSlotsGates
 from kvref.core.kv_cache_utils import BlockHashListWithBlockSize
+from kvref.core.single_type_kv_cache_manager import SlidingWindowManager
 from kvref.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from kvref.request import RequestStatus
+from kvref.request import Request, RequestStatus
 from kvref.verify.trace_replay import ALLOCATE_DEFAULTS
 from kvref.viz.panels import describe_op
-from kvref.viz.player import TracePlayer
+from kvref.viz.player import OpFacts, TracePlayer
 from kvref.viz.tables import compress_ids, spec_label
 
 
@@ -45,10 +49,20 @@ def explain(trace: dict, op_index: int) -> list[str]:
     queue_before = _queue(player)
     held_before = (player.manager.get_block_ids(op["req"])
                    if op["op"] == "free" and op.get("req") in player.requests else ())
+    req = player.requests.get(op.get("req"))
+    allocating = op["op"] == "allocate_slots" and req is not None and not _missing_hit(player, op)
+    if allocating:
+        status, free_hits = req.status, _free_hit_blocks(player, op)
+        gates_before = player.manager.last_allocate_slots
     player.seek(op_index + 1)
     facts = player.facts[-1]
     lines.append("what happened: " + describe_op(facts))
     lines += before
+    if allocating:
+        # The manager's own numbers: a call that raised before its gates left none.
+        gates = player.manager.last_allocate_slots
+        lines += _allocate_gates(None if gates is gates_before else gates, status, op,
+                                 free_hits, facts)
     lines += _explain_after(player, op, facts, queue_before, held_before)
     return lines
 
@@ -75,7 +89,9 @@ def _explain_before(player: TracePlayer, op: dict) -> list[str]:
     if req is None:
         return [f"request {op.get('req')!r} is unknown at this point of the trace"]
     if name == "allocate_slots":
-        return _allocate_gates(player, op, req)
+        if _missing_hit(player, op):
+            return ["new_computed_blocks='last' but no lookup came before"]
+        return _allocate_inputs(op, req)
     if name == "get_computed_blocks":
         return _hit_reasons(player, req)
     blocks = player.manager.get_block_ids(req.request_id)
@@ -84,62 +100,63 @@ def _explain_before(player: TracePlayer, op: dict) -> list[str]:
         + f" (status {req.status.name})"]
 
 
-def _allocate_gates(player: TracePlayer, op: dict, req) -> list[str]:
-    m = player.manager
-    coordinator, pool = m.coordinator, m.block_pool
+def _missing_hit(player: TracePlayer, op: dict) -> bool:
+    """The op hands over the last lookup's hit, but there was no lookup."""
+    return op.get("new_computed_blocks", ALLOCATE_DEFAULTS["new_computed_blocks"]) == "last" \
+        and player.replayer.last_hit.get(op.get("req")) is None
+
+
+def _allocate_inputs(op: dict, req: Request) -> list[str]:
+    """The call's token counts, read before it runs."""
     kw = {k: op.get(k, default) for k, default in ALLOCATE_DEFAULTS.items()}
-    which = kw["new_computed_blocks"]
-    hit = (player.replayer.last_hit.get(req.request_id) if which == "last"
-           else m.empty_kv_cache_blocks)
-    if hit is None:
-        return ["new_computed_blocks='last' but no lookup came before"]
-    hit_blocks = hit.blocks
     n, ext = op["num_new_tokens"], kw["num_external_computed_tokens"]
-    if n == 0 and ext == 0:
-        return ["nothing to compute and nothing to load: allocate_slots raises ValueError"]
-    local = req.num_computed_tokens + kw["num_new_computed_tokens"]
-    total = min(local + ext, m.max_model_len)
-    watermark = m.watermark_blocks if kw["has_scheduled_reqs"] and req.status in (
-        RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0
-    lines = [f"{req.request_id}: {req.num_computed_tokens} tokens computed, "
-             f"{kw['num_new_computed_tokens']} from this step's prefix hit, {n} new"
-             + (f", {ext} loaded externally" if ext else "")
-             + (f", {kw['num_lookahead_tokens']} lookahead" if kw["num_lookahead_tokens"] else "")]
-    free = pool.get_num_free_blocks()
-    free_hits = sum(1 for g in hit_blocks for b in g if not b.is_null and b.ref_cnt == 0)
+    return [f"{req.request_id}: {req.num_computed_tokens} tokens computed, "
+            f"{kw['num_new_computed_tokens']} from this step's prefix hit, {n} new"
+            + (f", {ext} loaded externally" if ext else "")
+            + (f", {kw['num_lookahead_tokens']} lookahead" if kw["num_lookahead_tokens"] else "")]
+
+
+def _free_hit_blocks(player: TracePlayer, op: dict) -> int:
+    """Hit blocks the call will take off the free queue (cached, held by nobody)."""
+    if op.get("new_computed_blocks", ALLOCATE_DEFAULTS["new_computed_blocks"]) != "last":
+        return 0
+    hit = player.replayer.last_hit.get(op.get("req"))
+    if hit is None:
+        return 0
+    return sum(1 for g in hit.blocks for b in g if not b.is_null and b.ref_cnt == 0)
+
+
+def _allocate_gates(gates: AllocateSlotsGates | None, status: RequestStatus, op: dict,
+                    free_hits: int, facts: OpFacts) -> list[str]:
+    """The gates as the manager weighed them (``KVCacheManager.last_allocate_slots``)."""
+    if gates is None:
+        raised = facts.observed.get("raises")
+        return [f"allocate_slots stopped before its gates ({raised or 'no gate was reached'}):"
+                " nothing to compute and nothing to load is a ValueError"]
+    watermark, free = gates.watermark_blocks, gates.num_free_blocks
+    lines = []
     if watermark:
-        lines.append(f"watermark: a {req.status.name.lower()} request must leave "
+        lines.append(f"watermark: a {status.name.lower()} request must leave "
                      f"{watermark} block(s) free while others are scheduled")
-    if kw["full_sequence_must_fit"]:
-        full_len = min(req.num_tokens, m.max_model_len)
-        needed = coordinator.get_num_blocks_to_allocate(
-            request_id=req.request_id, num_tokens=full_len, new_computed_blocks=hit_blocks,
-            num_encoder_tokens=kw["num_encoder_tokens"], total_computed_tokens=total,
-            num_tokens_main_model=full_len, apply_admission_cap=True)
-        if needed + watermark > free:
+    if gates.full_sequence_blocks is not None:
+        needed = gates.full_sequence_blocks
+        if gates.refused_by == "full-sequence":
             return lines + [f"REFUSED by the full-sequence gate: the whole request needs "
                             f"{needed} blocks + {watermark} watermark = {needed + watermark}, "
                             f"{free} are free: short by {needed + watermark - free} "
                             "(nothing was freed or allocated)"]
         lines.append(f"full-sequence gate passed: {needed} + {watermark} <= {free} free")
-    need_slot = min(total + n + kw["num_lookahead_tokens"], m.max_model_len)
-    # The op itself does this next; doing it here first is harmless (it is idempotent).
-    coordinator.remove_skipped_blocks(req.request_id, total,
-                                      num_prompt_tokens=req.num_prompt_tokens)
-    free_after = pool.get_num_free_blocks()
-    if free_after > free:
-        lines.append(f"the attention window let go of {free_after - free} block(s) first "
+    if gates.num_freed_blocks:
+        lines.append(f"the attention window let go of {gates.num_freed_blocks} block(s) first "
                      "(they become null blocks in the table), even if the call then fails")
-    needed = coordinator.get_num_blocks_to_allocate(
-        request_id=req.request_id, num_tokens=need_slot, new_computed_blocks=hit_blocks,
-        num_encoder_tokens=kw["num_encoder_tokens"], total_computed_tokens=local + ext,
-        num_tokens_main_model=total + n)
-    available = free_after - kw["reserved_blocks"]
-    what = f"{needed} blocks"
+    needed, available = gates.num_blocks_needed, gates.num_available_blocks
+    reserved_blocks = op.get("reserved_blocks", ALLOCATE_DEFAULTS["reserved_blocks"])
+    free_after = available + reserved_blocks
+    what = f"{needed} block{'' if needed == 1 else 's'}"
     if free_hits:
         what += f" (incl. {free_hits} free cached hit block(s) it takes off the free queue)"
-    reserved = f" - {kw['reserved_blocks']} reserved" if kw["reserved_blocks"] else ""
-    if needed + watermark > available:
+    reserved = f" - {reserved_blocks} reserved" if reserved_blocks else ""
+    if gates.refused_by == "capacity":
         lines.append(f"REFUSED by the capacity gate: needs {what} + {watermark} watermark, "
                      f"{free_after} free{reserved}: short by {needed + watermark - available}")
     else:
@@ -148,7 +165,7 @@ def _allocate_gates(player: TracePlayer, op: dict, req) -> list[str]:
     return lines
 
 
-def _hit_reasons(player: TracePlayer, req) -> list[str]:
+def _hit_reasons(player: TracePlayer, req: Request) -> list[str]:
     m = player.manager
     coordinator, pool = m.coordinator, m.block_pool
     if not m.enable_caching:
@@ -212,7 +229,8 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
             spec = groups[shortest].kv_cache_spec
             why = ""
             if isinstance(spec, SlidingWindowSpec):
-                need = -(-(spec.sliding_window - 1) // spec.block_size)
+                need = SlidingWindowManager.num_contiguous_blocks_for_hit(
+                    spec.sliding_window, spec.block_size, use_eagle=False)
                 why = (f": a window hit must end right after {need} cached window blocks "
                        "in a row, and no such run ends further right")
             lines.append(f"g{shortest} ({spec_label(spec)}) is what limits the hit to "
@@ -225,7 +243,7 @@ def _hit_reasons(player: TracePlayer, req) -> list[str]:
     return lines
 
 
-def _why_never_cached(player: TracePlayer, req, block: int, bs: int) -> str:
+def _why_never_cached(player: TracePlayer, req: Request, block: int, bs: int) -> str:
     """Compare with the earlier request sharing the most leading tokens."""
     mine = list(req.all_token_ids)
     best_req, best = None, -1
@@ -256,13 +274,14 @@ def _why_never_cached(player: TracePlayer, req, block: int, bs: int) -> str:
             "hashes)")
 
 
-def _num_cached(pool, free_only: bool = False) -> int:
+def _num_cached(pool: BlockPool, free_only: bool = False) -> int:
     return sum(1 for b in pool.blocks if b.block_hash is not None
                and not (free_only and b.ref_cnt > 0))
 
 
-def _explain_after(player: TracePlayer, op: dict, facts, queue_before,
-                   held_before) -> list[str]:
+def _explain_after(player: TracePlayer, op: dict, facts: OpFacts,
+                   queue_before: list[tuple[int, bool]],
+                   held_before: tuple[list[int], ...]) -> list[str]:
     name, ret = op["op"], facts.observed.get("ret")
     lines: list[str] = []
     if name == "get_computed_blocks" and ret is not None:

@@ -26,10 +26,11 @@ import html
 import json
 from importlib import resources
 
-from kvref.viz.panels import BOOKKEEPING, _event_line, describe_op
+from kvref.core.kv_cache_utils import KVCacheBlock
+from kvref.viz.panels import BOOKKEEPING, describe_op, event_line
 from kvref.viz.player import TracePlayer
 from kvref.viz.pool import GLYPH, STYLE, block_state
-from kvref.viz.tables import _prefix_group, spec_label
+from kvref.viz.tables import prefix_group, spec_label
 
 KEYFRAME = 64       # the page keeps a full state every this many ops
 HASH_CHARS = 16     # hex digits of a hash shown (as the terminal's details)
@@ -60,7 +61,7 @@ class _Hashes:
         return self.index[short]
 
 
-def _block_record(player: TracePlayer, block, hashes: _Hashes) -> list:
+def _block_record(player: TracePlayer, block: KVCacheBlock, hashes: _Hashes) -> list:
     """[ref count, hash index, parent index, group] (-1: none). The null block's
     ref count is not kept (vLLM does not keep it either): 0."""
     key = block.block_hash
@@ -146,7 +147,7 @@ def player_data(trace: dict) -> dict:
         if updates:
             frame["r"] = updates
         if op["op"] == "take_events" and facts.observed.get("ret"):
-            frame["e"] = [_event_line(ev) for ev in facts.observed["ret"]]
+            frame["e"] = [event_line(ev) for ev in facts.observed["ret"]]
         frames.append(frame)
         usage.append(round(pool.get_usage(), 4))
         evictable.append(sum(1 for b in pool.free_block_queue.get_all_free_blocks()
@@ -162,7 +163,7 @@ def player_data(trace: dict) -> dict:
         "num_blocks": len(pool.blocks),
         "groups": [f"g{i} {spec_label(g.kv_cache_spec)} /{g.kv_cache_spec.block_size}"
                    for i, g in enumerate(groups)],
-        "prefix_group": _prefix_group(manager),
+        "prefix_group": prefix_group(manager),
         "steps": [list(s) for s in player.steps],
         "narration": {str(k): v for k, v in player.narration.items()},
         "ops": ops,
@@ -172,6 +173,9 @@ def player_data(trace: dict) -> dict:
         "hashes": hashes.values,
         "usage": usage, "evictable": evictable, "hits": hits, "queries": queries,
         "touches": {str(b): ops_ for b, ops_ in sorted(player.touches.items())},
+        "kv_events": ({str(b): [list(e) for e in events]
+                       for b, events in sorted(player.kv_events.items())}
+                      if pool.enable_kv_cache_events else None),
         "legend": [[state, GLYPH[state], _colour(STYLE[state]), words]
                    for state, words in LEGEND],
     }

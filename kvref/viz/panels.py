@@ -14,11 +14,14 @@ No vLLM counterpart. Text panels for a ``TracePlayer`` position:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rich.console import Group
 from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.viz.player import OpFacts, TracePlayer, TraceSummary
 from kvref.viz.pool import render_free_queue, render_grid
 from kvref.viz.tables import compress_ids, render_block_tables, render_prefix_tree
@@ -32,7 +35,7 @@ BOOKKEEPING = {"set_num_computed_tokens", "set_status", "set_num_preemptions",
                "num_free_blocks", "get_num_common_prefix_blocks", "make_prefix_cache_stats"}
 
 
-def _blocks(ret) -> str:
+def _blocks(ret: object) -> str:
     return " | ".join(compress_ids(g) for g in ret)
 
 
@@ -120,7 +123,8 @@ def render_step_ops(facts: list[OpFacts], verbose: bool = False, limit: int = 14
     return text
 
 
-def _event_line(ev: dict) -> str:
+def event_line(ev: dict) -> str:
+    """One KV event of a trace (its JSON form) as one line of text."""
     kind = ev["type"]
     if kind == "BlockStored":
         return (f"stored  g{ev['group_idx']} {plural(len(ev['block_hashes']), 'block')}, "
@@ -139,7 +143,7 @@ def render_events(facts: list[OpFacts], limit: int = 8) -> Text:
                            else "not taken this step", style="dim")
     text.append(f"{len(events)}\n")
     for ev in events[:limit]:
-        text.append("  " + _event_line(ev) + "\n")
+        text.append("  " + event_line(ev) + "\n")
     if len(events) > limit:
         text.append(f"  … {len(events) - limit} more events\n", style="italic")
     return text
@@ -199,7 +203,7 @@ def render_frame(player: TracePlayer, verbose: bool = False, compact: bool = Fal
     return Group(*parts)
 
 
-def render_pool(manager, request_ids=None) -> Group:
+def render_pool(manager: KVCacheManager, request_ids: Sequence[str] | None = None) -> Group:
     """The grid, the free queue, usage and the block tables of a live manager."""
     pool = manager.block_pool
     usage = Text(f"usage {manager.usage:.0%}   free blocks {pool.get_num_free_blocks()} "

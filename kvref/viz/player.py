@@ -22,6 +22,8 @@ import json
 import zlib
 from dataclasses import dataclass, field
 
+from kvref.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+from kvref.request import Request
 from kvref.verify.trace_replay import TRACE_FORMAT, MalformedTrace, TraceReplayer
 
 
@@ -48,7 +50,7 @@ def read_trace(path: str) -> dict:
     return trace
 
 
-def check_trace_shape(trace, where: str = "trace") -> None:
+def check_trace_shape(trace: dict, where: str = 'trace') -> None:
     """The parts every reader relies on: format, header, a list of ops with names."""
     if not isinstance(trace, dict):
         raise TraceError(f"{where}: a kvtrace/1 trace is a JSON object, "
@@ -137,6 +139,11 @@ class TracePlayer:
         # hash chain (hex hash, or None for a request's first block); request -> its ops.
         self.touches: dict[int, list[int]] = {}
         self.parents: dict[int, str | None] = {}
+        # block id -> (op, event type) of the KV cache events about it, attributed to
+        # the op that queued them; (event hash, group) -> the block that holds it.
+        self.kv_events: dict[int, list[tuple[int, str]]] = {}
+        self._event_owner: dict[tuple, int] = {}
+        self._hash_of: dict[int, bytes] = {}
         self.request_ops: dict[str, list[int]] = {}
 
     @property
@@ -195,6 +202,7 @@ class TracePlayer:
         req = self.replayer.requests.get(op.get("req")) if "req" in op else None
         status = req.status.name if req is not None else None
         num_tokens = req.num_tokens if req is not None else None
+        queued = len(self.manager.block_pool.kv_event_queue)
         try:
             observed = self.replayer.run(op)
         except MalformedTrace as exc:
@@ -211,9 +219,12 @@ class TracePlayer:
             self.touches.setdefault(block_id, []).append(index)
         for block_id in hashed_before - hashed_after:
             self.parents.pop(block_id, None)
+        events = [] if op["op"] == "take_events" else \
+            self.manager.block_pool.kv_event_queue[queued:]
+        hashed_now = self._follow_hashes(index, facts.touched, events, hashed_before)
         if req is not None:
             self.request_ops.setdefault(req.request_id, []).append(index)
-            self._remember_parents(req, facts.newly_cached)
+            self._remember_parents(req, hashed_now)
         elif op["op"] == "add_request":
             self.request_ops.setdefault(op["req"], []).append(index)
         ret = observed.get("ret")
@@ -235,7 +246,42 @@ class TracePlayer:
         if self.position == self.steps[step][1]:
             self.history.append(self._step_stats(step))
 
-    def _remember_parents(self, req, newly_cached: list[int]) -> None:
+    def _follow_hashes(self, index: int, touched: list[int], events: list,
+                       hashed_before: set[int]) -> list[int]:
+        """Keep each block's hash, and say which KV events of op ``index`` are about
+        which block (events carry hashes in vLLM's form: by default the low 64 bits
+        as an int). Returns the blocks that got a (new) hash in this op: also one
+        evicted and cached again within the op, which the digests cannot tell."""
+        pool = self.manager.block_pool
+
+        def event_key(key):
+            return (maybe_convert_block_hash(get_block_hash(key), pool._int_event_hashes),
+                    get_group_id(key))
+
+        changes = [(b, self._hash_of.get(b), pool.blocks[b].block_hash) for b in touched
+                   if pool.blocks[b].block_hash != self._hash_of.get(b)]
+        stored_now = {event_key(new): b for b, _, new in changes if new is not None}
+        for ev in events:
+            kind = type(ev).__name__
+            if kind == "AllBlocksCleared":
+                blocks = sorted(hashed_before)
+            else:
+                owners = stored_now if kind == "BlockStored" else self._event_owner
+                blocks = [owners[(h, ev.group_idx)] for h in ev.block_hashes
+                          if (h, ev.group_idx) in owners]
+            for block_id in blocks:
+                self.kv_events.setdefault(block_id, []).append((index, kind))
+        for b, old, new in changes:
+            if old is not None and self._event_owner.get(event_key(old)) == b:
+                del self._event_owner[event_key(old)]
+            if new is None:
+                self._hash_of.pop(b, None)
+            else:
+                self._hash_of[b] = new
+        self._event_owner.update(stored_now)
+        return [b for b, _, new in changes if new is not None]
+
+    def _remember_parents(self, req: Request, newly_cached: list[int]) -> None:
         """A block's parent is the hash before its own in the request that cached it."""
         if not newly_cached:
             return

@@ -21,10 +21,13 @@ Pools too large for that are drawn aggregated, one character per run of blocks
 from __future__ import annotations
 
 from collections import Counter
-from math import ceil
 
 from rich.console import Group
 from rich.text import Text
+
+from kvref.core.block_pool import BlockPool
+from kvref.core.kv_cache_utils import KVCacheBlock
+from kvref.math_utils import cdiv
 
 NULL, USED, USED_CACHED, FREE_CACHED, FREE = "null", "used", "used_cached", "free_cached", "free"
 GLYPH = {NULL: "∅", USED: "●", USED_CACHED: "◉", FREE_CACHED: "○", FREE: "·"}
@@ -37,7 +40,7 @@ COMPACT_PER_ROW = 64        # plus a 6-column row label: 70 columns
 COMPACT_MAX_CELLS = 1024    # 16 rows of 64
 
 
-def block_state(block) -> str:
+def block_state(block: KVCacheBlock) -> str:
     if block.is_null:
         return NULL
     if block.ref_cnt > 0:
@@ -54,7 +57,7 @@ def legend() -> Text:
     return text
 
 
-def _detailed_cell(block) -> Text:
+def _detailed_cell(block: KVCacheBlock) -> Text:
     state = block_state(block)
     refs = ""
     if state in (USED, USED_CACHED):
@@ -62,7 +65,7 @@ def _detailed_cell(block) -> Text:
     return Text(f"{block.block_id:>3}{GLYPH[state]}{refs:<2}", style=STYLE[state])
 
 
-def _compact_char(block) -> Text:
+def _compact_char(block: KVCacheBlock) -> Text:
     state = block_state(block)
     glyph = GLYPH[state]
     if state in (USED, USED_CACHED) and block.ref_cnt > 1:
@@ -70,11 +73,11 @@ def _compact_char(block) -> Text:
     return Text(glyph, style=STYLE[state])
 
 
-def state_counts(pool) -> Counter:
+def state_counts(pool: BlockPool) -> Counter:
     return Counter(block_state(b) for b in pool.blocks)
 
 
-def render_grid(pool, width: int | None = None, selected: int | None = None,
+def render_grid(pool: BlockPool, width: int | None = None, selected: int | None = None,
                 highlight: frozenset[int] | set[int] = frozenset()) -> Group:
     """The pool as a grid; its scale is stated whenever a cell is not one block.
 
@@ -114,7 +117,7 @@ def render_grid(pool, width: int | None = None, selected: int | None = None,
         scale = Text(f"{len(blocks)} blocks, one character each (a digit: shared by that "
                      "many requests)", style="dim")
     else:
-        per_cell = ceil(len(blocks) / max_cells)
+        per_cell = cdiv(len(blocks), max_cells)
         cells = [blocks[i:i + per_cell] for i in range(0, len(blocks), per_cell)]
         for start in range(0, len(cells), per_row):
             row = Text(f"{start * per_cell:>5} ", style="dim")
@@ -127,7 +130,7 @@ def render_grid(pool, width: int | None = None, selected: int | None = None,
     return _with_totals(pool, rows, scale)
 
 
-def _with_totals(pool, rows: list[Text], scale: Text) -> Group:
+def _with_totals(pool: BlockPool, rows: list[Text], scale: Text) -> Group:
     counts = state_counts(pool)
     totals = Text(f"in use {counts[USED] + counts[USED_CACHED]} "
                   f"(cached {counts[USED_CACHED]})  evictable cached {counts[FREE_CACHED]}  "
@@ -135,7 +138,7 @@ def _with_totals(pool, rows: list[Text], scale: Text) -> Group:
     return Group(*rows, scale, legend(), totals)
 
 
-def render_free_queue(pool, head: int = 16, tail: int = 6) -> Text:
+def render_free_queue(pool: BlockPool, head: int = 16, tail: int = 6) -> Text:
     """The free queue from head (allocated, and so evicted, first) to tail.
 
     Freed blocks without a hash go to the head (nobody can hit them), cached

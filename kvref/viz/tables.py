@@ -15,24 +15,29 @@ No vLLM counterpart: pictures of ``SingleTypeKVCacheManager.req_to_blocks``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
+from kvref.request import Request
 from kvref.viz.pool import GLYPH, STYLE, block_state
 
 MAX_REQUEST_ROWS = 12
 
 
-def spec_label(spec) -> str:
+def spec_label(spec: KVCacheSpec) -> str:
     """A short name for a group's attention type."""
     if isinstance(spec, SlidingWindowSpec):
         return f"window {spec.sliding_window}"
@@ -47,7 +52,7 @@ def spec_label(spec) -> str:
     return type(spec).__name__
 
 
-def compress_ids(ids) -> str:
+def compress_ids(ids: Sequence[int]) -> str:
     """``[0, 0, 3, 4, 5, 9]`` -> ``"∅×2 3-5 9"``: runs of nulls and of consecutive ids."""
     parts: list[str] = []
     i = 0
@@ -66,7 +71,7 @@ def compress_ids(ids) -> str:
     return " ".join(parts) or "-"
 
 
-def requests_with_blocks(manager) -> list[str]:
+def requests_with_blocks(manager: KVCacheManager) -> list[str]:
     """Ids of requests holding blocks in any group, in the order they first got them."""
     seen: dict[str, None] = {}
     for m in manager.coordinator.single_type_managers:
@@ -76,7 +81,8 @@ def requests_with_blocks(manager) -> list[str]:
     return list(seen)
 
 
-def render_block_tables(manager, request_ids=None, requests=None) -> Group | Text:
+def render_block_tables(manager: KVCacheManager, request_ids: Sequence[str] | None = None,
+                        requests: dict[str, Request] | None = None) -> Group | Text:
     """One row per request, one column per group. ``requests`` (id -> Request)
     adds each request's computed/total tokens and status."""
     if request_ids is None:
@@ -108,7 +114,8 @@ def render_block_tables(manager, request_ids=None, requests=None) -> Group | Tex
     return Group(*parts)
 
 
-def _prefix_group(manager) -> int | None:
+def prefix_group(manager: KVCacheManager) -> int | None:
+    """The group the prefix tree is drawn for: the first plain full-attention one."""
     for i, group in enumerate(manager.kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, FullAttentionSpec) and type(spec) is FullAttentionSpec:
@@ -128,14 +135,14 @@ def _build_trie(tables: dict[str, list]) -> dict:
     return root
 
 
-def render_prefix_tree(manager, max_nodes: int = 24) -> Tree | Text:
+def render_prefix_tree(manager: KVCacheManager, max_nodes: int = 24) -> Tree | Text:
     """The full-attention block tables of all requests as one radix tree.
 
     A chain of blocks held by the same requests is one node; a branch is where
     requests stop sharing. Only requests that hold blocks appear (free cached
     blocks are in the pool grid and the free queue).
     """
-    gid = _prefix_group(manager)
+    gid = prefix_group(manager)
     if gid is None:
         return Text("prefix tree: no full-attention group to draw", style="dim")
     block_size = manager.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
@@ -173,7 +180,3 @@ def render_prefix_tree(manager, max_nodes: int = 24) -> Tree | Text:
 
     add(tree, _build_trie(tables))
     return tree
-
-
-def render_tables(manager, requests=None) -> Group:
-    return Group(render_block_tables(manager, requests=requests), render_prefix_tree(manager))

@@ -22,9 +22,10 @@ false, so a change in the core cannot make the demo lie::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvref.core.kv_cache_utils import get_request_block_hasher
+from kvref.core.single_type_kv_cache_manager import SlidingWindowManager
 from kvref.hashing import sha256
 from kvref.kv_cache_interface import (
     FullAttentionSpec,
@@ -32,6 +33,7 @@ from kvref.kv_cache_interface import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
+from kvref.math_utils import cdiv
 from kvref.request import Request, RequestStatus
 from kvref.verify.trace_record import RecordingKVCacheManager, make_header
 
@@ -136,7 +138,7 @@ class Walkthrough(ABC):
                                    narration=self.narration)
 
 
-def _ids(ids) -> str:
+def _ids(ids: Sequence[int]) -> str:
     """``[0, 0, 9]`` -> ``"∅, ∅, 9"`` (block 0 is the null block)."""
     return ", ".join("∅" if i == 0 else str(i) for i in ids)
 
@@ -149,10 +151,10 @@ class PrefixCachingWalkthrough(Walkthrough):
              "4 tokens per block")
     SYSTEM = [101, 102, 103, 104, 105, 106, 107, 108]          # 2 blocks
 
-    def config(self):
+    def config(self) -> tuple[KVCacheConfig, int, int]:
         return (KVCacheConfig(12, [KVCacheGroupSpec(["attn"], FullAttentionSpec(4))]), 4, 64)
 
-    def steps(self):
+    def steps(self) -> list[Callable[[], str]]:
         s = self.SYSTEM
         return [lambda: self._a_arrives(s + [1, 2, 3]),
                 lambda: self._a_decodes(),
@@ -164,7 +166,7 @@ class PrefixCachingWalkthrough(Walkthrough):
                 lambda: self._eviction(),
                 lambda: self._reset()]
 
-    def _a_arrives(self, tokens):
+    def _a_arrives(self, tokens: list[int]):
         hit, num_hit, new = self.arrive("A", tokens)
         cached = [b for b in new[0] if self.is_cached(b)]
         self.claim("nothing hits on an empty cache", num_hit == 0)
@@ -185,7 +187,7 @@ class PrefixCachingWalkthrough(Walkthrough):
         return (f"A decodes one token. It fits in block {last}, which is now full: "
                 f"block {last} gets its hash and is cached too.")
 
-    def _b_shares(self, tokens):
+    def _b_shares(self, tokens: list[int]):
         hit, num_hit, new = self.arrive("B", tokens)
         refs = [self.pool().blocks[b].ref_cnt for b in hit[0]]
         self.claim("B hits the system prompt", num_hit == len(self.SYSTEM))
@@ -210,7 +212,7 @@ class PrefixCachingWalkthrough(Walkthrough):
                 f"the tail of the free queue: evicted last, hittable until then. The shared "
                 f"prefix ({_ids(shared)}) is still held by B.")
 
-    def _partial_block(self, tokens):
+    def _partial_block(self, tokens: list[int]):
         hit, num_hit, new = self.arrive("C", tokens)
         full_blocks = len(tokens) // 4
         self.claim("C hits every full block of its prompt", num_hit == full_blocks * 4)
@@ -223,7 +225,7 @@ class PrefixCachingWalkthrough(Walkthrough):
                 "which is never cached, so it is computed anyway; the num_tokens - 1 cap "
                 f"({len(tokens) - 1}) plays no role here.")
 
-    def _the_cap(self, tokens):
+    def _the_cap(self, tokens: list[int]):
         req_blocks = len(tokens) // 4
         hit, num_hit, new = self.arrive("D", tokens)
         c_blocks = self.blocks_of("C")[0]
@@ -296,11 +298,11 @@ class SlidingWindowWalkthrough(Walkthrough):
     title = "full attention + sliding window 8, 4 tokens per block"
     SYSTEM = list(range(200, 216))                                   # 4 blocks
 
-    def config(self):
+    def config(self) -> tuple[KVCacheConfig, int, int]:
         return (KVCacheConfig(40, [KVCacheGroupSpec(["full"], FullAttentionSpec(4)),
                                    KVCacheGroupSpec(["swa"], SlidingWindowSpec(4, 8))]), 4, 64)
 
-    def steps(self):
+    def steps(self) -> list[Callable[[], str]]:
         s = self.SYSTEM
         return [lambda: self._a_arrives(s + [1, 2, 3, 4, 5, 6]),
                 lambda: self._window_slides(),
@@ -309,10 +311,10 @@ class SlidingWindowWalkthrough(Walkthrough):
                 lambda: self._fixed_point(s + [8, 8, 8, 8, 8, 8]),
                 lambda: self._all_finish()]
 
-    def _a_arrives(self, tokens):
+    def _a_arrives(self, tokens: list[int]):
         hit, num_hit, new = self.arrive("A", tokens)
         self.claim("both groups allocate the same number of blocks",
-                   len(new[0]) == len(new[1]) == -(-len(tokens) // 4))
+                   len(new[0]) == len(new[1]) == cdiv(len(tokens), 4))
         return (f"Request A ({len(tokens)} tokens) arrives. Each group gets its own "
                 f"{len(new[0])} blocks from the one pool: full attention {_ids(new[0])}, "
                 f"sliding window {_ids(new[1])}.")
@@ -337,12 +339,12 @@ class SlidingWindowWalkthrough(Walkthrough):
                 f"null block ∅ and frees {_ids(freed)} (free, still cached). Full attention "
                 "keeps all its blocks.")
 
-    def _hybrid_hit(self, tokens):
+    def _hybrid_hit(self, tokens: list[int]):
         a_window = self.blocks_of("A")[1]
         hit, num_hit, new = self.arrive("B", tokens)
         window_hit = hit[1]
         real = [b for b in window_hit if b != 0]
-        need = -(-(8 - 1) // 4)
+        need = SlidingWindowManager.num_contiguous_blocks_for_hit(8, 4, use_eagle=False)
         self.claim("the hit covers the system prompt", num_hit == len(self.SYSTEM))
         self.claim("the window hit is nulls then the last blocks",
                    window_hit[:len(window_hit) - need] == [0] * (len(window_hit) - need)
@@ -368,7 +370,7 @@ class SlidingWindowWalkthrough(Walkthrough):
                 "an allocation would reuse them). B keeps using them; they just cannot be "
                 "hit any more. The full-attention blocks of the prefix are all still cached.")
 
-    def _fixed_point(self, tokens):
+    def _fixed_point(self, tokens: list[int]):
         req = Request("probe", tokens, block_hasher=self.hasher)
         coordinator = self.m.manager.coordinator
         _, per_group = coordinator.find_longest_cache_hit_per_group(req.block_hashes,

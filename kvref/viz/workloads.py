@@ -31,6 +31,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvref.core.block_pool import BlockPool
 from kvref.engine.core import engine_step
 from kvref.engine.model_free_runner import ModelFreeRunner
 from kvref.engine.sampling_params import SamplingParams
@@ -176,7 +177,7 @@ PRESETS: dict[str, Callable[[], Preset]] = {
 }
 
 
-def narrate_step(record: StepRecord, total_blocks: int, pool=None) -> str:
+def narrate_step(record: StepRecord, total_blocks: int, pool: BlockPool | None = None) -> str:
     """One step of the scheduler in words, from its ``StepRecord``.
 
     With ``pool`` (the block pool as the step leaves it) the free-block count is

@@ -40,13 +40,8 @@ from collections.abc import Sequence
 
 import torch
 
-# The slot of a token that belongs to no request (a padded batch): never written.
-PAD_SLOT_ID = -1
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for ``a`` tokens of ``b`` per block."""
-    return -(-a // b)
+from kvref.attention.paged_attention import PAD_SLOT_ID
+from kvref.math_utils import cdiv
 
 
 class BlockTable:
@@ -81,11 +76,9 @@ class BlockTable:
         if kernel_block_size <= 0 or block_size % kernel_block_size != 0:
             raise ValueError(f"kernel_block_size {kernel_block_size} must divide the "
                              f"manager's block_size {block_size} evenly")
-        self.kv_manager_block_size = block_size
         # From here on the table speaks in kernel blocks, as vLLM's does.
         self.block_size = kernel_block_size
         self.blocks_per_kv_block = block_size // kernel_block_size
-        self.use_hybrid_blocks = self.blocks_per_kv_block != 1
         self.max_num_reqs = max_num_reqs
         self.max_num_blocks_per_req = max_num_blocks_per_req * self.blocks_per_kv_block
         self.max_num_batched_tokens = max_num_batched_tokens

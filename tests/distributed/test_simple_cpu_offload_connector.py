@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
     HostLRUPool)
@@ -39,7 +37,6 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_asynchronously():
     stats = engine.worker_side.stats
     assert stats.num_loaded_blocks == 3
     assert stats.bytes_loaded == 3 * engine.scheduler_side._block_bytes
-    assert engine.scheduler_side.stats.hit_rate == pytest.approx(12 / (14 + 14))
 
 
 def test_while_a_load_is_in_flight_its_blocks_are_not_hits_for_others():

@@ -9,7 +9,8 @@ import pytest
 
 MODULES = ["kvref.engine.core", "kvref.engine.scheduler", "kvref.engine.model_free_runner",
            "kvref.engine.request", "kvref.engine.sampling_params", "kvref.engine.model",
-           "kvref.engine.model_runner", "kvref.engine.loader", "kvref.engine.ngram_proposer"]
+           "kvref.engine.model_runner", "kvref.engine.loader", "kvref.engine.ngram_proposer",
+           "kvref.engine.model_config"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvref import BlockRemoved
 from kvref.engine import LLM, SamplingParams
+from kvref.math_utils import cdiv
 
 from .hf_models import DEVICES, assert_matches_transformers, hybrid, llama, reference
 from .limits import Limits, watch_limits
@@ -195,6 +196,33 @@ def test_a_pool_that_cannot_hold_one_full_request_is_refused():
         LLM(llama(), block_size=4, max_model_len=64, num_gpu_blocks=10)
 
 
+def test_the_start_check_counts_a_window_group_as_vllm_does():
+    # max_model_len 64, block 4, window 8, the default 2048-token budget: the
+    # full group needs cdiv(64, 4) = 16 blocks, the window group 17 (the window
+    # need not start on a block boundary: one block more than the whole sequence).
+    model = hybrid(window=8)
+    with pytest.raises(ValueError, match="it needs 33 blocks plus the null block"):
+        LLM(model, block_size=4, max_model_len=64, num_gpu_blocks=33)
+    assert LLM(model, block_size=4, max_model_len=64, num_gpu_blocks=34).kv_cache_config \
+        .num_blocks == 34
+
+
+def test_a_stop_token_ends_the_output_and_is_reported_as_the_stop_reason():
+    model = llama(seed=3)
+    prompt = [5, 6, 7, 8]
+    llm = LLM(model, block_size=4, max_model_len=64, num_gpu_blocks=24)
+    free_run = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    tokens = free_run.outputs[0].token_ids
+    assert free_run.outputs[0].finish_reason == "length"
+    assert free_run.outputs[0].stop_reason is None
+    stop = tokens[2]
+    cut = tokens.index(stop) + 1                    # the stop token is kept, as in vLLM
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                stop_token_ids=[stop]))[0].outputs[0]
+    assert out.token_ids == tokens[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
 def test_seeded_sampling_is_reproducible():
     model = llama(seed=5)
     prompt = [[1, 2, 3, 4, 5]]
@@ -308,11 +336,18 @@ def test_drawn_workloads_match_transformers(data, model_name, block_size, max_mo
     transformers' own."""
     model = HYPOTHESIS_MODELS[model_name]
     vocab = model.config.vocab_size
-    num_groups = len(set(getattr(model.config, "layer_types", None) or ["full_attention"]))
-    num_gpu_blocks = 1 + num_groups * -(-max_model_len // block_size) + extra_blocks
     if not chunked:
         budget = max(budget, max_model_len)
         threshold = 0
+    # The smallest pool the engine accepts (vLLM's start-up check), plus the null
+    # block: every block of the full-attention group, and a window group's
+    # admission cap, cdiv(min(window - 1 + budget, max_model_len), block) + 1.
+    layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    per_request = cdiv(max_model_len, block_size) if "full_attention" in layer_types else 0
+    if "sliding_attention" in layer_types:
+        window = model.config.sliding_window
+        per_request += cdiv(min(window - 1 + budget, max_model_len), block_size) + 1
+    num_gpu_blocks = 1 + per_request + extra_blocks
     llm, _ = make_llm(model, "cpu", block_size=block_size, max_model_len=max_model_len,
                       num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=budget,
                       enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold,

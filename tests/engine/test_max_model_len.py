@@ -18,16 +18,13 @@ import pytest
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager
 from kvref.engine import LLM, ModelFreeRunner, NgramProposer, SamplingParams, Scheduler
 from kvref.engine import engine_step
+from kvref.math_utils import cdiv
 
 from .hf_models import hybrid, llama, reference
 from .limits import Limits, watch_limits
 
 # (block_size, max_model_len): max_model_len % block_size is 3, 3 and 2.
 SIZES = [(4, 31), (5, 23), (3, 20)]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def run_guarded(llm: LLM, prompts, params, max_steps: int = 400):

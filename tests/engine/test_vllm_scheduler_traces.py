@@ -32,6 +32,8 @@ def test_the_profiles_cover_what_the_issue_asks_for():
     assert count(lambda c: c["async_scheduling"] and not c["speculative"]) >= 20
     assert count(lambda c: c["async_scheduling"] and c["speculative"]) >= 10
     assert count(lambda c: len(c["groups"]) == 2) >= 10            # full + sliding window
+    assert count(lambda c: c.get("hash_block_size", c["block_size"])
+                 != c.get("scheduler_block_size", c["block_size"])) >= 5   # mixed block sizes
     assert count(lambda c: c["watermark"] > 0) >= 5
     assert count(lambda c: c["long_prefill_token_threshold"] > 0) >= 5
     assert count(lambda c: not c["scheduler_reserve_full_isl"]) >= 5
@@ -56,6 +58,23 @@ def test_profile_replays_with_zero_divergent_steps(path):
     assert sum(r.num_steps for r in results) == doc["summary"]["steps"]
     assert not bad, "\n".join(f"{r.name}: {r.divergent_steps} divergent steps; first: "
                               f"{r.divergence}" for r in bad)
+
+
+def test_the_padding_and_its_refusal_branch_are_exercised():
+    """kvref's counters, over the speculation traces: vLLM padded admissions to
+    1 + k, and stopped admitting when 1 + k did not fit, and kvref did both at
+    the same steps (the replay found no divergence)."""
+    padded = refused = 0
+    for path in TRACES:
+        doc = load_trace(path)
+        if not any(run["config"]["speculative"] for run in doc["runs"]):
+            continue
+        for i, run in enumerate(doc["runs"]):
+            result = replay_run(run, f"{doc['profile']}[{i}]")
+            assert result.divergence is None, result.divergence
+            padded += result.stats.num_padded_admissions
+            refused += result.stats.num_padding_refusals
+    assert padded >= 20 and refused >= 5, (padded, refused)
 
 
 def _gate_minimal() -> dict:

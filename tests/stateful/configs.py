@@ -21,10 +21,7 @@ from kvref import (
     MambaSpec,
     SlidingWindowSpec,
 )
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kvref.math_utils import cdiv
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,7 @@ from kvref import (
     SlidingWindowSpec,
     sha256,
 )
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kvref.math_utils import cdiv
 
 
 def skipped_tokens(spec: KVCacheSpec, num_computed: int) -> int:

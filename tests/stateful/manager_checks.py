@@ -15,8 +15,8 @@ import pytest
 from hypothesis import event
 
 from kvref import CrossAttentionSpec, MambaSpec
+from kvref.math_utils import cdiv
 
-from .configs import cdiv
 from .event_consumer import assert_consumer_agrees
 from .content_model import Content, blocks_read_from, first_token_read
 

@@ -33,6 +33,7 @@ from kvref import (
     make_block_hash_with_group_id,
     sha256,
 )
+from kvref.math_utils import cdiv
 
 CONFIGS = {
     "full": (FullAttentionSpec(4),),
@@ -56,7 +57,7 @@ def _manager(specs) -> KVCacheManager:
 def _blocks_read(spec, num_blocks: int) -> range:
     """Indexes of the hit blocks this attention type reads."""
     if isinstance(spec, SlidingWindowSpec):
-        need = -(-(spec.sliding_window - 1) // spec.block_size)
+        need = cdiv(spec.sliding_window - 1, spec.block_size)
         return range(max(0, num_blocks - need), num_blocks)
     if isinstance(spec, MambaSpec):
         return range(num_blocks - 1, num_blocks) if num_blocks else range(0)

@@ -23,11 +23,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvref.math_utils import cdiv
 from kvref.worker import PAD_SLOT_ID, BlockTable, MultiGroupBlockTable
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BatchModel:

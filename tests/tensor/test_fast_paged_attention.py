@@ -20,6 +20,7 @@ from kvref.attention import (
     make_kv_cache,
     paged_attention,
 )
+from kvref.math_utils import cdiv
 
 from .driver import DEVICES, Run, chunk_of, nan_outside, window_of
 from .test_paged_attention import CONFIGS, mixed_run
@@ -77,7 +78,7 @@ def test_fast_path_grouped_query_heads(num_heads, num_kv_heads):
 
 def _random_batch(seed: int, query_lens: list[int], seq_lens: list[int], block_size: int = 4):
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-s // block_size) for s in seq_lens]
+    blocks = [cdiv(s, block_size) for s in seq_lens]
     num_blocks = sum(blocks) + 1
     cache = torch.randn(num_blocks, 2, block_size, 2, 8, generator=gen)
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -157,3 +158,18 @@ def test_a_plan_writes_where_write_kv_writes_and_checks_the_slots_once():
         plan.write_kv(make_kv_cache(4, 2, 1, 3), key, key)
     with pytest.raises(ValueError, match="without a slot_mapping"):
         PagedAttentionPlan([0, 1], [1], torch.tensor([[0]]), block_size=2).write_kv(got, key, key)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1], [7, 7], [1, 7, 16]])
+def test_whole_prompts_read_only_their_own_slots(query_lens):
+    """Prompts with no context take SDPA's causal path (or the decode path for one
+    token): every slot past each prompt is NaN, and the answer is the reference's."""
+    query, cache, batch = _random_batch(5, query_lens, list(query_lens))
+    for r, n in enumerate(query_lens):
+        blocks = batch["block_table"][r, :cdiv(n, 4)].tolist()
+        last = blocks[-1]
+        cache[last, :, n - (len(blocks) - 1) * 4:] = float("nan")   # the last block's tail
+    cache[0] = float("nan")                                          # the null block
+    got = fast_paged_attention(query, cache, **batch)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, paged_attention(query, cache, **batch), atol=1e-5, rtol=0)

@@ -209,3 +209,30 @@ def test_lesson_helper_catches_what_it_must(tmp_path, body, expect_rc, expect_te
     result = run_script(script, extra_path=TUTORIALS_DIR, timeout=60)
     assert result.returncode == expect_rc, result.stdout + result.stderr
     assert expect_text in result.stdout + result.stderr
+
+
+def test_the_notebook_progress_bar_warning_is_silenced(tmp_path):
+    """In Jupyter without ipywidgets, tqdm (imported by transformers, which the
+    lessons import only after _lesson) warns 'IProgress not found' in a red box;
+    _lesson filters exactly that warning."""
+    code = ("import sys, warnings; sys.path.insert(0, sys.argv[1]); import _lesson\n"
+            "from tqdm import TqdmWarning\nfrom tqdm.notebook import WARN_NOIPYW\n"
+            "warnings.warn(WARN_NOIPYW, TqdmWarning)\n"
+            "warnings.warn('IProgress is fine', TqdmWarning)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(TUTORIALS_DIR)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "IProgress not found" not in result.stderr and "IProgress is fine" in result.stderr
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_transformers_comes_after_lesson_helper(path):
+    """``import transformers`` loads tqdm's notebook module at once, so a lesson
+    must import _lesson (which filters its warning) first."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    first = {key: next((i for i, ln in enumerate(lines) if ln.startswith(key)), None)
+             for key in ("from _lesson", "import transformers", "from transformers")}
+    for key in ("import transformers", "from transformers"):
+        if first[key] is not None:
+            assert first["from _lesson"] is not None and first["from _lesson"] < first[key], \
+                f"{path.name}: {key} at line {first[key] + 1} comes before _lesson"

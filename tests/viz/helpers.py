@@ -47,7 +47,7 @@ def admit(manager: KVCacheManager, rid: str, tokens: list[int], block_size: int 
 
 
 def long_pressure_trace() -> dict:
-    """Over 1,000 ops (1,130): 14 long requests on a 24-block pool, the
+    """Over 1,000 ops (1,112 today): 14 long requests on a 24-block pool, the
     ``pressure`` preset's kind of load for longer (evictions, preemptions)."""
     import random
     from unittest import mock

@@ -27,7 +27,7 @@ def test_a_refused_allocation_names_the_gate_and_the_shortfall(pressure):
     free = player.manager.block_pool.get_num_free_blocks()
     text = "\n".join(explain(trace, refused.index))
     assert "REFUSED by the capacity gate" in text
-    needed = int(text.split("needs ")[1].split(" blocks")[0])
+    needed = int(text.split("needs ")[1].split(" block")[0])
     watermark = int(text.split(" + ")[1].split(" watermark")[0])
     assert f"short by {needed + watermark - free}" in text and needed + watermark > free
 
@@ -44,7 +44,7 @@ def test_a_refused_admission_names_the_full_sequence_gate(pressure):
     free = player.manager.block_pool.get_num_free_blocks()
     text = "\n".join(explain(trace, refused.index))
     assert "full-sequence gate: the whole request needs" in text
-    needed = int(text.split("needs ")[1].split(" blocks")[0])
+    needed = int(text.split("needs ")[1].split(" block")[0])
     watermark = int(text.split(" + ")[1].split(" watermark")[0])
     assert f"{free} are free: short by {needed + watermark - free}" in text
 

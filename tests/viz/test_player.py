@@ -90,3 +90,29 @@ def test_an_op_on_an_unknown_request_is_a_trace_error(pressure):
     player = TracePlayer(trace)
     with pytest.raises(TraceError, match="op #0 free: unknown request 'ghost'"):
         player.seek(1)
+
+
+@pytest.mark.parametrize("name", ["pressure", "prefix-caching", "hybrid"])
+def test_every_kv_event_is_attributed_to_the_block_it_is_about(name):
+    from pathlib import Path
+
+    trace = read_trace(Path(__file__).parent / "traces" / f"kvref-{name}.json.gz")
+    player = TracePlayer(trace)
+    player.seek(len(player.ops))
+    taken = [ev for f in player.facts if f.op["op"] == "take_events"
+             for ev in f.observed.get("ret") or []]
+    attributed = [(b, i, kind) for b, events in player.kv_events.items() for i, kind in events]
+    hashes = {"BlockStored": 0, "BlockRemoved": 0}
+    for ev in taken:
+        if ev["type"] in hashes:
+            hashes[ev["type"]] += len(ev["block_hashes"])
+    for kind, n in hashes.items():                  # every hash of every event, once
+        assert sum(1 for _, _, k in attributed if k == kind) == n, kind
+    assert hashes["BlockStored"] > 0
+    # ... each on a block that op changed: given a hash (a block evicted and cached
+    # again in one op stays hashed, so only its being touched shows), or losing one.
+    for block, i, kind in attributed:
+        before = set(player.facts[i - 1].observed["state"]["hashed"]) if i else set()
+        after = set(player.facts[i].observed["state"]["hashed"])
+        assert block in player.facts[i].touched, (block, i, kind)
+        assert block in (after if kind == "BlockStored" else before), (block, i, kind)

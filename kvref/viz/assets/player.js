@@ -188,6 +188,11 @@
     for (const i of ops.slice(-TOUCHES_SHOWN)) {
       out.push(`  #${i} ${D.ops[i][0]}` + (D.ops[i][1] ? " " + D.ops[i][1] : ""));
     }
+    if (D.kv_events !== null) {
+      const evs = (D.kv_events[id] || []).filter(([i]) => i <= k);
+      const shown = evs.slice(-TOUCHES_SHOWN).map(([i, kind]) => `#${i} ${kind}`).join(", ");
+      out.push("KV events: " + (evs.length > TOUCHES_SHOWN ? "… " : "") + (shown || "none yet"));
+    }
     return out;
   }
   function requestLines(r, st, k) {

@@ -11,7 +11,7 @@ v0.25.1: same field names, same default failure policy ``"fail"``)::
     >>> KVTransferConfig(kv_connector="Nope", kv_role="kv_both")
     Traceback (most recent call last):
     ...
-    ValueError: unknown kv_connector 'Nope'; kvref has ['ExampleConnector', 'P2pConnector', 'SimpleCPUOffloadConnector']
+    ValueError: unknown kv_connector 'Nope'; kvref has [...]
 """
 
 from __future__ import annotations
@@ -75,6 +75,14 @@ class KVTransferConfig:
 
 class KVConnectorFactory:
     """``create_connector(config, role, kv_cache_config)``: the named connector class."""
+
+    @staticmethod
+    def register_connector(name: str, module_path: str, class_name: str) -> None:
+        """Make ``kv_connector=name`` build ``module_path.class_name`` (vLLM's hook for
+        connectors outside the tree; kvref's tests register fault-injecting ones)."""
+        if name in _REGISTRY and _REGISTRY[name] != (module_path, class_name):
+            raise ValueError(f"connector {name!r} is already registered as {_REGISTRY[name]}")
+        _REGISTRY[name] = (module_path, class_name)
 
     @staticmethod
     def get_connector_class(kv_transfer_config: KVTransferConfig) -> type:

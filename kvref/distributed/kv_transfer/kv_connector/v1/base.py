@@ -61,19 +61,14 @@ class KVConnectorMetadata:  # noqa: B903 - a marker base, as in vLLM
 
 @dataclass
 class KVConnectorStats:
-    """Counters a connector keeps (kvref's; vLLM reports similar ones per connector)."""
+    """What a connector's worker half moved (kvref's counters; vLLM's connectors
+    report their own). The hit rate is the scheduler's: ``connector_prefix_cache_stats``."""
 
-    num_queried_tokens: int = 0         # tokens asked about beyond the local hit
-    num_hit_tokens: int = 0             # of those, tokens the connector could supply
     num_loaded_blocks: int = 0
     num_saved_blocks: int = 0
     num_failed_blocks: int = 0
     bytes_loaded: int = 0
     bytes_saved: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
 @dataclass

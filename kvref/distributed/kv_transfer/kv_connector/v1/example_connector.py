@@ -103,8 +103,6 @@ class ExampleConnector(KVConnectorBase_V1):
         num_blocks = 0
         while first + num_blocks < last and os.path.exists(self._path(keys[first + num_blocks])):
             num_blocks += 1
-        self.stats.num_queried_tokens += request.num_tokens - num_computed_tokens
-        self.stats.num_hit_tokens += num_blocks * bs
         if num_blocks:
             self._pending_hit_start[request.request_id] = first
         return num_blocks * bs, False

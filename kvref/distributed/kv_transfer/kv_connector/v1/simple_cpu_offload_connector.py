@@ -15,8 +15,9 @@ has evicted finds them there and loads them back, asynchronously::
       step t+1 : blocks cached, request computes only h9's tokens
 
 Host slots are pinned while a load reads them; a store takes the least
-recently used unpinned slot. ``stats`` counts the hit rate (tokens the tier
-supplied over tokens asked beyond the local hit) and the bytes moved each way.
+recently used unpinned slot. The worker half's ``stats`` count the blocks and
+bytes moved each way; the scheduler's ``connector_prefix_cache_stats`` the hit
+rate (tokens the tier supplied over tokens asked beyond the local hit).
 
 Where it differs from vLLM's: vLLM's host pool is a second ``BlockPool`` with
 its own coordinator and copies run on a CUDA stream, reported by event ids;
@@ -25,8 +26,10 @@ kvref's is the small ``HostLRUPool`` below and the copies are plain
 hittable when the step's output comes back). vLLM pins a hit from
 ``get_num_new_matched_tokens`` to ``update_state_after_alloc``; kvref needs
 not, because only stores (in ``build_connector_meta``, after every
-allocation of the step) evict host slots. Lazy mode (offloading only blocks
-about to be evicted) is not modelled.
+allocation of the step) evict host slots. A block whose load failed is
+dropped from the host pool (kvref's choice: a retry then computes it rather
+than failing on it again). Lazy mode (offloading only blocks about to be
+evicted) is not modelled.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class HostLRUPool:
         self._lru: OrderedDict[bytes, None] = OrderedDict()   # ready and unpinned, oldest first
         self._pins: dict[bytes, int] = {}
         self._storing: set[bytes] = set()
+        self._doomed: set[bytes] = set()      # bad copies, removed once no load reads them
         self.num_evictions = 0
 
     def __contains__(self, block_hash: bytes) -> bool:
@@ -75,7 +79,8 @@ class HostLRUPool:
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The slot of a ready block (now the most recently used), else None."""
-        if block_hash not in self._slot or block_hash in self._storing:
+        if block_hash not in self._slot or block_hash in self._storing \
+                or block_hash in self._doomed:
             return None
         if block_hash in self._lru:
             self._lru.move_to_end(block_hash)
@@ -101,6 +106,17 @@ class HostLRUPool:
             if block_hash in self._slot and not self._pins.get(block_hash):
                 self._lru[block_hash] = None
 
+    def discard(self, block_hash: bytes) -> None:
+        """Forget a block (its copy is bad); a pinned one goes when its last load ends."""
+        if block_hash not in self._slot:
+            return
+        if self._pins.get(block_hash):
+            self._doomed.add(block_hash)
+            return
+        self._lru.pop(block_hash, None)
+        self._storing.discard(block_hash)
+        self._free.append(self._slot.pop(block_hash))
+
     def pin(self, block_hash: bytes) -> None:
         self._pins[block_hash] = self._pins.get(block_hash, 0) + 1
         self._lru.pop(block_hash, None)
@@ -109,7 +125,11 @@ class HostLRUPool:
         self._pins[block_hash] -= 1
         if not self._pins[block_hash]:
             del self._pins[block_hash]
-            self._lru[block_hash] = None
+            if block_hash in self._doomed:
+                self._doomed.discard(block_hash)
+                self.discard(block_hash)
+            else:
+                self._lru[block_hash] = None
 
 
 @dataclass
@@ -143,7 +163,8 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1):
         self._blocks = RequestBlockTracker()
         self._hit_start: dict[str, int] = {}
         self._loads_to_send: dict[str, tuple[list[int], list[int]]] = {}
-        self._loads_in_flight: dict[str, list[bytes]] = {}     # req -> pinned hashes
+        # req -> (device block, host block's hash) of its load, pinned until it ends
+        self._loads_in_flight: dict[str, list[tuple[int, bytes]]] = {}
         self._stores_per_step: deque[list[bytes]] = deque()    # one entry per built meta
         # Worker side.
         self.cpu_kv: torch.Tensor | None = None
@@ -160,8 +181,6 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1):
         while first + num_blocks < last and \
                 self.host_pool.lookup(request.block_hashes[first + num_blocks]) is not None:
             num_blocks += 1
-        self.stats.num_queried_tokens += request.num_tokens - num_computed_tokens
-        self.stats.num_hit_tokens += num_blocks * bs
         if not num_blocks:
             return 0, False
         self._hit_start[request.request_id] = first
@@ -179,7 +198,7 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1):
             self.host_pool.pin(h)
         block_ids = blocks.get_block_ids()[0][first:first + num_blocks]
         self._loads_to_send[request.request_id] = (slots, block_ids)
-        self._loads_in_flight[request.request_id] = list(hashes)
+        self._loads_in_flight[request.request_id] = list(zip(block_ids, hashes))
 
     def build_connector_meta(self, scheduler_output) -> SimpleCPUOffloadMetadata:
         meta = SimpleCPUOffloadMetadata(loads=self._loads_to_send)
@@ -208,9 +227,20 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1):
         # Stores finish inside the step they were planned in: hittable from now on.
         if self._stores_per_step:
             self.host_pool.mark_ready(self._stores_per_step.popleft())
+        # A block that failed to load is not served again: the retry computes it.
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            for load in self._loads_in_flight.values():
+                for block_id, block_hash in load:
+                    if block_id in invalid:
+                        self.host_pool.discard(block_hash)
         for req_id in connector_output.finished_recving or ():
-            for block_hash in self._loads_in_flight.pop(req_id, ()):
-                self.host_pool.unpin(block_hash)
+            self._release_load(req_id)
+
+    def _release_load(self, req_id: str) -> None:
+        """The load of ``req_id`` ended: its host slots may be evicted again."""
+        for _, block_hash in self._loads_in_flight.pop(req_id, ()):
+            self.host_pool.unpin(block_hash)
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

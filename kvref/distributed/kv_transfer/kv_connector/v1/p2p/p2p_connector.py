@@ -59,6 +59,7 @@ import torch.distributed as dist
 from kvref.distributed.kv_transfer.kv_connector.utils import gather_blocks, scatter_blocks
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+from kvref.math_utils import cdiv
 
 __all__ = ["P2pConnector", "P2pConnectorMetadata", "block_tag"]
 
@@ -150,17 +151,15 @@ class P2pConnector(KVConnectorBase_V1):
         if self.is_producer or not params or not params.get("do_remote_prefill"):
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
-        self.stats.num_queried_tokens += request.num_tokens - num_computed_tokens
         if count <= 0:
             return 0, False
-        self.stats.num_hit_tokens += count
         return count, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if self.is_producer or num_external_tokens == 0:
             return
         bs = self._block_size
-        num_blocks = -(-request.num_prompt_tokens // bs)
+        num_blocks = cdiv(request.num_prompt_tokens, bs)
         first = (request.num_prompt_tokens - num_external_tokens) // bs
         self._recvs[request.request_id] = (num_blocks, first,
                                            blocks.get_block_ids()[0][first:num_blocks])
@@ -177,7 +176,7 @@ class P2pConnector(KVConnectorBase_V1):
         params = getattr(request, "kv_transfer_params", None)
         if not self.is_producer or not params or not params.get("do_remote_decode"):
             return False, None
-        num_blocks = -(-request.num_prompt_tokens // self._block_size)
+        num_blocks = cdiv(request.num_prompt_tokens, self._block_size)
         if len(block_ids) < num_blocks:
             return False, None                    # aborted before its prefill ended
         self._sends[request.request_id] = list(block_ids[:num_blocks])
