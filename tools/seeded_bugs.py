@@ -482,7 +482,7 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
               "        return x32.to(x.dtype)", kind="weights"),
     SeededBug("mlp-bias-ignored",
               "Llama's mlp_bias is not read from the config",
-              "kvref/engine/model.py",
+              "kvref/engine/model_config.py",
               'mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),',
               "mlp_bias=False,", kind="weights"),
     SeededBug("tied-head-not-tied",
