@@ -9,7 +9,7 @@
 
 Workloads: the walk-throughs ``prefix-caching`` (the default demo) and
 ``sliding-window``, and the scheduler presets ``chat``, ``multi-turn``, ``rag``,
-``agent``, ``hybrid``, ``pressure`` (``kvref.viz.workloads``). Bad input (a
+``agent``, ``hybrid``, ``pressure``, ``connector`` (``kvref.viz.workloads``). Bad input (a
 missing or malformed trace, an unknown workload, an op number out of range)
 gives one line on stderr and exit code 2. ``kvref viz`` and ``kvref explain``
 show kvref's own answers; when a trace's recorded answers differ from them they

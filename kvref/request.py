@@ -110,6 +110,7 @@ class Request:
         mm_features: list[Any] | None = None,
         skip_reading_prefix_cache: bool = False,
         max_tokens: int | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -129,6 +130,16 @@ class Request:
         self.mm_features = features
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.max_tokens = max_tokens
+        # Embeddings given in place of (or beside) the prompt's tokens, one row
+        # per prompt position (a tensor). Their bytes join each prompt block's
+        # hash, so equal token ids with different embeddings never share a block.
+        if prompt_embeds is not None and len(prompt_embeds) != self.num_prompt_tokens:
+            raise ValueError(f"request {request_id!r}: prompt_embeds has "
+                             f"{len(prompt_embeds)} rows for {self.num_prompt_tokens} "
+                             "prompt tokens")
+        self.prompt_embeds = prompt_embeds
+        # (start, end) of a block -> the hash of its embeddings, computed once.
+        self._prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = {}
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0

@@ -12,7 +12,7 @@ failure on a laptop too, and a seeded bug is either caught or not, never by luck
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
     "ci",
@@ -32,6 +32,15 @@ settings.register_profile(
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+# tools/seeded_bugs.py --catalogue tensor-engine: the "ci" examples, without
+# shrinking a failure (a seeded bug is killed by the first failing example;
+# shrinking it would cost minutes per bug and say nothing more).
+settings.register_profile(
+    "seeded",
+    parent=settings.get_profile("ci"),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 
 # Only when nothing chose a profile yet: never undo an explicit --hypothesis-profile.

@@ -148,8 +148,9 @@ def test_cdiv_is_defined_once_and_never_spelled_out():
 CORE_ORDER = ["kvref.core.kv_cache_manager", "kvref.core.kv_cache_coordinator",
               "kvref.core.single_type_kv_cache_manager", "kvref.core.block_pool",
               "kvref.core.kv_cache_utils"]
+# kvref.kv_cache_spec_registry: the spec -> manager table kv_cache_interface consults.
 VOCABULARY = {"kvref.kv_cache_interface", "kvref.request", "kvref.kv_events", "kvref.stats",
-              "kvref.hashing", "kvref.math_utils"}
+              "kvref.hashing", "kvref.math_utils", "kvref.kv_cache_spec_registry"}
 INVARIANT_CHECKER = "kvref.verify.invariants"
 
 

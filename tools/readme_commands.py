@@ -66,6 +66,12 @@ CHEAP: dict[str, tuple[str, str]] = {
         "python3 tools/seeded_bugs.py -k hit-cap-off-by-one -- -k test_hit_search_properties",
         "one bug of the catalogue against the hit-search properties alone (under a minute) "
         "instead of every bug against the whole stateful suite (about 50 minutes)"),
+    "python3 tools/seeded_bugs.py --catalogue tensor-engine -j 1": (
+        "python3 tools/seeded_bugs.py --catalogue tensor-engine -k ngram-latest-copy "
+        "-- -k test_drawn_token_lists_follow_the_spec",
+        "one bug of the tensor/engine catalogue against the n-gram proposer's spec property "
+        "alone (about a minute) instead of every bug against tests/tensor and tests/engine "
+        "(about 45 minutes)"),
     "python3 tools/seeded_bugs.py -k swa": (
         "python3 tools/seeded_bugs.py -k swa-run-too-short -- -k test_hit_search_properties",
         "one of the swa bugs, against the hit-search properties alone"),

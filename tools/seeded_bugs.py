@@ -1,23 +1,38 @@
 #!/usr/bin/env python3
-"""Seeded bugs: does the stateful suite catch realistic mistakes?
+"""Seeded bugs: do the tests catch realistic mistakes?
 
-Each entry of ``CATALOGUE`` is a small, plausible bug written as a text edit of
-one kvref source file. For each bug the script copies the project to a
-temporary folder, applies the edit, runs ``pytest tests/stateful`` there (the
-state machines alone: no unit test, no recorded trace), and reports whether the
-suite failed ("killed") and which invariant id the failure names. A bug the
-suite survives is a hole in the checks. With ``--also-other-suites`` it then
-runs the rest of ``tests/`` (unit tests, conformance traces) on the same copy
-and reports whether they catch the bug too.
+Two catalogues of small, plausible bugs, each written as a text edit of one
+kvref source file. For each bug the script copies the project to a temporary
+folder, applies the edit, runs a suite there and reports whether it failed
+("killed") and what failed first. A bug a suite survives is a hole in the
+checks.
 
-    python tools/seeded_bugs.py                 # every bug, a table at the end
+- ``--catalogue core`` (the default, ``CATALOGUE``): the KV layer
+  (``kvref/core``, hashing), against ``tests/stateful`` alone (the state
+  machines: no unit test, no recorded trace); the report names the invariant
+  id the failure cites. With ``--also-other-suites`` it then runs the rest of
+  ``tests/`` on the same copy and reports whether they catch the bug too.
+- ``--catalogue tensor-engine`` (``TENSOR_ENGINE_CATALOGUE``): the tensor side
+  and the engine (``kvref/worker``, ``kvref/attention``, ``kvref/engine``),
+  against ``tests/tensor`` and ``tests/engine`` alone, without the tests that
+  replay answers recorded from vLLM (``TRACE_FILES``, ``TRACE_TESTS``) and
+  without lessons, the suite of the bug's own side first, fastest files
+  first, stopping at the first failure, with the Hypothesis profile "seeded"
+  (the ci examples, no shrinking); the report names the first failing test.
+
+    python tools/seeded_bugs.py                 # every core bug, a table at the end
     python tools/seeded_bugs.py -k hit-cap      # bugs whose id contains "hit-cap"
     python tools/seeded_bugs.py --list          # the catalogue only
     python tools/seeded_bugs.py -k mm- --also-other-suites
     python tools/seeded_bugs.py -k swa -- -k "not scheduler_paths"   # pytest arguments
+    python tools/seeded_bugs.py --catalogue tensor-engine -j 1       # the tensor/engine bugs
+    python tools/seeded_bugs.py --catalogue tensor-engine -k ngram- --list
 
 Exit status 0 only if every selected bug is killed. An edit whose text is not
-found exactly once in its file is an error: the catalogue must follow the code.
+found exactly once in its file is an error, reported before anything runs: the
+catalogue must follow the code, and a bug whose edit no longer applies never
+counts as survived or killed. A run that exceeds ``--timeout`` seconds is
+reported as TIMEOUT and counts as not killed.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ class SeededBug:
     path: str       # relative to the repository root
     old: str        # text that must occur exactly once in the file
     new: str
+    kind: str = ""  # tensor-engine catalogue: the blind spot it probes (KINDS)
 
 
 CATALOGUE: list[SeededBug] = [
@@ -316,16 +332,306 @@ CATALOGUE: list[SeededBug] = [
               ""),
 ]
 
+# -- The tensor side and the engine (--catalogue tensor-engine) ------------------------
+# Each bug is a mistake a reimplementer of kvref/worker, kvref/attention or
+# kvref/engine could plausibly make; "kind" says which blind spot of the tests it
+# probes (issue 24): most are invisible to models with regular weights, to
+# batches that never shrink, to runs that stay clear of max_model_len, or to a
+# component checked only against itself.
+
+KINDS = {
+    "weights": "invisible with regular weights (norms at one, biases at zero, tied heads)",
+    "edges": "only at max_model_len or at a size that is not a multiple of the block size",
+    "buffers": "a persistent buffer keeps a previous, longer step's or row's tail",
+    "vllm-rule": "a component that agrees with itself but not with vLLM's rule",
+    "every-chunk": "a scheduler limit kept on the first chunk only",
+    "kernel": "a plain mistake in a mask, a head mapping, a merge or a page table",
+    "engine": "a plain mistake in the runner, the model or the scheduler",
+}
+
+TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
+    # -- worker: block tables and slot mapping --------------------------------------
+    SeededBug("slot-buffer-stale-tail",
+              "the slot-mapping buffer is not reset, so a shorter step leaves the "
+              "previous step's slots in its tail",
+              "kvref/worker/block_table.py",
+              "        self.slot_mapping.fill_(PAD_SLOT_ID)\n",
+              "", kind="buffers"),
+    SeededBug("block-table-floor-width",
+              "rows hold max_model_len // block_size blocks, not cdiv",
+              "kvref/worker/block_table.py",
+              "max_num_blocks = [cdiv(max_model_len, bs) for bs in block_sizes]",
+              "max_num_blocks = [max_model_len // bs for bs in block_sizes]", kind="edges"),
+    SeededBug("clear-row-keeps-count",
+              "clear_row zeroes the row but keeps its block count",
+              "kvref/worker/block_table.py",
+              "        self.block_table[row_idx, :self.num_blocks_per_row[row_idx]] = 0\n"
+              "        self.num_blocks_per_row[row_idx] = 0\n",
+              "        self.block_table[row_idx, :self.num_blocks_per_row[row_idx]] = 0\n",
+              kind="buffers"),
+    SeededBug("move-row-keeps-target-count",
+              "move_row copies the blocks but leaves the target row's old block count",
+              "kvref/worker/block_table.py",
+              "        self.num_blocks_per_row[tgt] = n\n", "", kind="buffers"),
+    SeededBug("slot-offset-manager-block",
+              "with split kernel blocks, the slot offset is taken modulo the manager's "
+              "block size",
+              "kvref/worker/block_table.py",
+              "                     + p % self.block_size)",
+              "                     + p % self.kv_manager_block_size)", kind="edges"),
+    SeededBug("kernel-blocks-interleaved",
+              "a manager block b splits into kernel blocks b, b + k, ... instead of "
+              "b*k .. b*k + k - 1",
+              "kvref/worker/block_table.py",
+              "return [int(b) * k + j for b in kv_manager_block_ids for j in range(k)]",
+              "return [int(b) + j * k for b in kv_manager_block_ids for j in range(k)]",
+              kind="kernel"),
+    # -- attention: masks, grouped heads, cascade, FlashInfer, Mamba ------------------
+    SeededBug("window-mask-one-wider",
+              "the sliding-window mask lets a query see W + 1 keys",
+              "kvref/attention/paged_attention.py",
+              "        mask = mask & (k >= q - sliding_window + 1)",
+              "        mask = mask & (k >= q - sliding_window)", kind="kernel"),
+    SeededBug("chunk-mask-as-window",
+              "chunked-local attention masked as a sliding window of the chunk size",
+              "kvref/attention/paged_attention.py",
+              "        mask = mask & (k // attention_chunk_size == q // attention_chunk_size)",
+              "        mask = mask & (q - k < attention_chunk_size)", kind="kernel"),
+    SeededBug("gqa-heads-interleaved",
+              "reference attention: query head h reads KV head h % num_kv_heads, "
+              "not h // group",
+              "kvref/attention/paged_attention.py",
+              "    q = query.to(work).reshape(num_q, num_kv_heads, group, head_size)",
+              "    q = query.to(work).reshape(num_q, group, num_kv_heads, head_size)"
+              ".transpose(1, 2)", kind="kernel"),
+    SeededBug("fast-gqa-decode-interleaved",
+              "fast path: a decode's query heads are folded onto KV heads h % num_kv_heads",
+              "kvref/attention/fast_paged_attention.py",
+              "        q = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)",
+              "        q = q.view(num_reqs, num_heads // num_kv_heads, num_kv_heads, head_size)"
+              ".transpose(1, 2)", kind="kernel"),
+    SeededBug("fast-unseen-slots-kept",
+              "fast path: gathered slots no query may see are not zeroed (a NaN there "
+              "reaches the output)",
+              "kvref/attention/fast_paged_attention.py",
+              "    if batch.unseen is not None:\n",
+              "    if False:\n", kind="buffers"),
+    SeededBug("fast-repeated-block-visible",
+              "fast path: key positions follow the clamped columns, so a shorter "
+              "request's repeated last block is attended twice",
+              "kvref/attention/fast_paged_attention.py",
+              "    k_pos = first_t[:, None] * block_size + torch.arange(num_keys, device=device)"
+              "  # [R, K]",
+              "    k_pos = (cols[:, :, None] * block_size\n"
+              "             + torch.arange(block_size, device=device)).reshape(num_reqs, -1)",
+              kind="buffers"),
+    SeededBug("fast-decode-unmasked",
+              "fast path: a decode batch is run without its mask",
+              "kvref/attention/fast_paged_attention.py",
+              "attn_mask=None if seen_all and q_len == 1 else mask[:, None])",
+              "attn_mask=None if q_len == 1 else mask[:, None])", kind="kernel"),
+    SeededBug("cascade-prefix-not-capped",
+              "the cascade prefix is not capped by the batch's least context length",
+              "kvref/attention/cascade.py",
+              "    common = min(common, min(num_computed_tokens))\n", "", kind="kernel"),
+    SeededBug("cascade-merge-by-max",
+              "the log-sum-exp merge keeps the larger side's lse instead of adding them",
+              "kvref/attention/cascade.py",
+              "    lse = torch.logaddexp(prefix_lse.float(), suffix_lse.float())",
+              "    lse = torch.maximum(prefix_lse.float(), suffix_lse.float())", kind="kernel"),
+    SeededBug("flashinfer-window-left-off-by-one",
+              "FlashInfer's window_left read as the window itself (vLLM passes W - 1)",
+              "kvref/attention/flashinfer.py",
+              "    window = None if window_left < 0 else window_left + 1",
+              "    window = None if window_left < 0 else window_left", kind="kernel"),
+    SeededBug("flashinfer-full-last-page-zero",
+              "a full last page gets kv_last_page_len 0 instead of the page size",
+              "kvref/attention/flashinfer.py",
+              "        last.append((seq_len - 1) % block_size + 1)",
+              "        last.append(seq_len % block_size)", kind="edges"),
+    SeededBug("mamba-reads-next-block",
+              "a Mamba step reads its state from table[context_len // B], not "
+              "(context_len - 1) // B",
+              "kvref/attention/mamba_state.py",
+              "            h = state_cache[table[(context_len - 1) // block_size]].clone()",
+              "            h = state_cache[table[context_len // block_size]].clone()",
+              kind="edges"),
+    SeededBug("mamba-align-writes-boundaries",
+              "align mode also writes every block-boundary state (mode all's rule)",
+              "kvref/attention/mamba_state.py",
+              '            if mamba_cache_mode == "all" and num_done % block_size == 0:',
+              "            if num_done % block_size == 0:", kind="kernel"),
+    # -- engine: model ------------------------------------------------------------------
+    SeededBug("qk-norm-shared",
+              "Qwen3's keys are normalised with the query norm's weights",
+              "kvref/engine/model.py",
+              "            q, k = self.q_norm(q), self.k_norm(k)",
+              "            q, k = self.q_norm(q), self.q_norm(k)", kind="weights"),
+    SeededBug("mlp-reads-input-norm",
+              "the MLP reads the input layernorm instead of the post-attention one",
+              "kvref/engine/model.py",
+              "        return hidden + self.mlp(self.post_attention_layernorm(hidden))",
+              "        return hidden + self.mlp(self.input_layernorm(hidden))", kind="weights"),
+    SeededBug("rmsnorm-weight-before-normalising",
+              "RMSNorm scales by its weight before normalising (the weight cancels out)",
+              "kvref/engine/model.py",
+              "        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)\n"
+              "        return self.weight * x32.to(x.dtype)",
+              "        x32 = self.weight.float() * x32\n"
+              "        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)\n"
+              "        return x32.to(x.dtype)", kind="weights"),
+    SeededBug("mlp-bias-ignored",
+              "Llama's mlp_bias is not read from the config",
+              "kvref/engine/model_config.py",
+              'mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),',
+              "mlp_bias=False,", kind="weights"),
+    SeededBug("tied-head-not-tied",
+              "tie_word_embeddings leaves lm_head at its random initial weights",
+              "kvref/engine/model.py",
+              "            self.lm_head.weight = self.embed_tokens.weight\n",
+              "            pass\n", kind="weights"),
+    SeededBug("rope-interleaved-pairs",
+              "rotary embedding rotates interleaved pairs (GPT-J) instead of halves",
+              "kvref/engine/model.py",
+              "    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)",
+              "    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)",
+              kind="engine"),
+    # -- engine: runner -----------------------------------------------------------------
+    SeededBug("runner-resume-keeps-no-blocks",
+              "a resumed request is treated as running: its new table is appended to "
+              "the empty one",
+              "kvref/engine/gpu_input_batch.py",
+              "            if req_id in cached.resumed_req_ids:",
+              "            if False:", kind="engine"),
+    SeededBug("logits-row-one-early",
+              "the sampled logits are taken one row before each request's last token",
+              "kvref/engine/model_runner.py",
+              "logits_indices.extend(range(end - len(draft) - 1, end))",
+              "logits_indices.extend(range(end - len(draft) - 2, end - 1))", kind="engine"),
+    SeededBug("persistent-row-other-request",
+              "a table row is taken to hold the same request as last step whoever holds "
+              "it now, so after the batch shrinks it only gets appended to",
+              "kvref/engine/model_runner.py",
+              "        if held is not None and held[0] is state.block_ids:",
+              "        if held is not None:", kind="buffers"),
+    SeededBug("sampler-multiplies-temperature",
+              "sampling multiplies the logits by the temperature instead of dividing",
+              "kvref/engine/model_runner.py",
+              "probs = torch.softmax(logits / params.temperature, dim=-1)",
+              "probs = torch.softmax(logits * params.temperature, dim=-1)", kind="engine"),
+    SeededBug("seq-len-without-context",
+              "a request's seq_len is its query length (the context is not attended)",
+              "kvref/engine/model_runner.py",
+              "            seq_lens.append(start + n)",
+              "            seq_lens.append(n)", kind="engine"),
+    # -- engine: scheduler --------------------------------------------------------------
+    SeededBug("threshold-first-chunk-only",
+              "long_prefill_token_threshold caps a request when admitted, not its later "
+              "chunks",
+              "kvref/engine/scheduler.py",
+              "                              - request.num_computed_tokens)\n"
+              "            if 0 < self.long_prefill_token_threshold < num_new_tokens:\n"
+              "                num_new_tokens = self.long_prefill_token_threshold\n",
+              "                              - request.num_computed_tokens)\n",
+              kind="every-chunk"),
+    SeededBug("max-model-len-cap-off-by-one",
+              "a running request may be scheduled up to position max_model_len "
+              "(drafts reach past the last position)",
+              "kvref/engine/scheduler.py",
+              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
+              "                                 self.max_model_len - request.num_computed_tokens)",
+              kind="edges"),
+    SeededBug("max-num-seqs-off-by-one",
+              "one request more than max_num_seqs may run",
+              "kvref/engine/scheduler.py",
+              "                if len(self.running) >= self.max_num_running_reqs:",
+              "                if len(self.running) > self.max_num_running_reqs:",
+              kind="every-chunk"),
+    SeededBug("running-budget-uncapped",
+              "a running request's chunk is not cut to the remaining token budget",
+              "kvref/engine/scheduler.py",
+              "            num_new_tokens = min(num_new_tokens, token_budget,\n"
+              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
+              "            num_new_tokens = min(num_new_tokens,\n"
+              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
+              kind="every-chunk"),
+    SeededBug("drafts-not-cut-to-budget",
+              "the whole draft is scheduled although the budget cut the step",
+              "kvref/engine/scheduler.py",
+              "request.spec_token_ids[:num_spec]", "request.spec_token_ids",
+              kind="every-chunk"),
+    SeededBug("victim-oldest",
+              "a full pool preempts the oldest running request, not the last admitted",
+              "kvref/engine/scheduler.py",
+              "                victim = self.running.pop()",
+              "                victim = self.running.pop(0)", kind="engine"),
+    SeededBug("stop-one-past-max-model-len",
+              "check_stop lets a request reach max_model_len + 1 tokens",
+              "kvref/engine/request.py",
+              "if request.num_tokens >= max_model_len or",
+              "if request.num_tokens > max_model_len or", kind="edges"),
+    # -- engine: statistics -------------------------------------------------------------
+    SeededBug("num-cached-overwritten-on-resume",
+              "num_cached_tokens is overwritten by a resume after the first token",
+              "kvref/engine/scheduler.py",
+              "                if not request.output_token_ids:\n"
+              "                    request.num_cached_tokens = num_computed_tokens\n",
+              "                request.num_cached_tokens = num_computed_tokens\n",
+              kind="vllm-rule"),
+    SeededBug("cached-stat-counts-outputs",
+              "prompt_tokens_cached counts a resumed request's cached output tokens too",
+              "kvref/engine/scheduler.py",
+              "min(num_hit, request.num_prompt_tokens)", "num_hit", kind="vllm-rule"),
+    # -- engine: n-gram proposer --------------------------------------------------------
+    SeededBug("ngram-latest-copy",
+              "the draft follows the latest earlier copy of the suffix, not the earliest",
+              "kvref/engine/ngram_proposer.py",
+              "            for start in range(0, total - n):",
+              "            for start in reversed(range(0, total - n)):", kind="vllm-rule"),
+    SeededBug("ngram-shortest-first",
+              "the shortest matching n-gram wins, not the longest",
+              "kvref/engine/ngram_proposer.py",
+              "        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):",
+              "        for n in range(self.min_n, min(self.max_n, total - 1) + 1):",
+              kind="vllm-rule"),
+    SeededBug("ngram-no-overlap",
+              "an earlier copy may not overlap the suffix itself",
+              "kvref/engine/ngram_proposer.py",
+              "            for start in range(0, total - n):",
+              "            for start in range(0, total - 2 * n + 1):", kind="vllm-rule"),
+    SeededBug("ngram-ignores-max-model-len",
+              "drafts are not cut at max_model_len (the scheduler's cap hides it)",
+              "kvref/engine/ngram_proposer.py",
+              "        k = min(self.k, self.max_model_len - total)",
+              "        k = self.k", kind="edges"),
+]
+
+
 INVARIANT_ID = re.compile(r"\bINV-[A-Z]+-\d+\b")
+FAILED_TEST = re.compile(r"^(?:FAILED|ERROR) (tests/\S+?)(?: - |$)", re.MULTILINE)
+
+# The tensor/engine suites, fastest and most pointed files first (a bug stops
+# at its first failure); files not named here run after these, in name order.
+TENSOR_FIRST = ["test_block_table.py", "test_batch_buffers.py", "test_paged_attention.py",
+                "test_fast_paged_attention.py", "test_cascade.py", "test_flashinfer.py",
+                "test_mamba_state.py", "test_properties.py"]
+ENGINE_FIRST = ["test_scheduler.py", "test_ngram_proposer.py", "test_engine_statistics.py",
+                "test_max_model_len.py", "test_model_parameters.py", "test_sampling.py"]
+# What replays answers recorded from vLLM is a trace, not a test of the tensor
+# side or the engine: left out, so that every kill is the tests' own.
+TRACE_FILES = ["tests/engine/test_vllm_scheduler_traces.py"]
+TRACE_TESTS = ["tests/engine/test_ngram_proposer.py::"
+               "test_vllm_recorded_cases_are_what_the_spec_and_kvref_propose"]
 
 
 @dataclass
 class Outcome:
     bug: SeededBug
-    killed: bool            # by tests/stateful alone
+    killed: bool            # by the catalogue's suite alone
     caught_by: str
     seconds: float
     others: bool | None = None   # unit/conformance tests also fail (None: not run)
+    suite: str = ""              # tensor-engine: "tensor" or "engine", the first failure's
 
 
 def check_applicable(bug: SeededBug, root: Path) -> str:
@@ -349,34 +655,63 @@ def _copy_project(dest: Path, with_traces: bool = False) -> None:
         *skip, *([] if with_traces else ["traces"])))
 
 
-def run_one(bug: SeededBug, pytest_args: list[str], also_other_suites: bool = False
-            ) -> Outcome:
+def _ordered_tests(root: Path, folder: str, first: list[str]) -> list[str]:
+    names = sorted(p.name for p in (root / "tests" / folder).glob("test_*.py"))
+    ordered = [f"tests/{folder}/{n}" for n in [*(f for f in first if f in names),
+                                                *(n for n in names if n not in first)]]
+    return [path for path in ordered if path not in TRACE_FILES]
+
+
+def tensor_engine_tests(bug: SeededBug, root: Path) -> list[str]:
+    """``tests/tensor`` and ``tests/engine``, the bug's own side first."""
+    tensor = _ordered_tests(root, "tensor", TENSOR_FIRST)
+    engine = _ordered_tests(root, "engine", ENGINE_FIRST)
+    return engine + tensor if bug.path.startswith("kvref/engine/") else tensor + engine
+
+
+def _run_pytest(args: list[str], copy: Path, timeout: float) -> tuple[int | None, str]:
+    """pytest in ``copy``: (exit status or None on timeout, its output)."""
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=copy, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        return None, out if isinstance(out, str) else out.decode(errors="replace")
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def run_one(bug: SeededBug, pytest_args: list[str], also_other_suites: bool = False,
+            catalogue: str = "core", timeout: float = 1800.0) -> Outcome:
     start = time.monotonic()
     others = None
     with tempfile.TemporaryDirectory(prefix=f"kvref-{bug.bug_id}-") as tmp:
         copy = Path(tmp) / "kvref"
-        _copy_project(copy, with_traces=also_other_suites)
+        _copy_project(copy, with_traces=also_other_suites or catalogue == "tensor-engine")
         apply(bug, copy)
-        env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "tests/stateful", "-x", "-q",
-             "-p", "no:cacheprovider", *pytest_args],
-            cwd=copy, env=env, capture_output=True, text=True)
+        if catalogue == "tensor-engine":
+            status, output = _run_pytest(
+                [*tensor_engine_tests(bug, copy), "-x", "-q", "-p", "no:cacheprovider",
+                 "--hypothesis-profile=seeded",
+                 *(f"--deselect={test}" for test in TRACE_TESTS), *pytest_args],
+                copy, timeout)
+            return _tensor_engine_outcome(bug, status, output, time.monotonic() - start)
+        status, output = _run_pytest(["tests/stateful", "-x", "-q", "-p", "no:cacheprovider",
+                                      *pytest_args], copy, timeout)
         if also_other_suites:
-            rest = subprocess.run(
-                [sys.executable, "-m", "pytest", "tests", "--ignore=tests/stateful", "-x",
-                 "-q", "-p", "no:cacheprovider"],
-                cwd=copy, env=env, capture_output=True, text=True)
-            others = rest.returncode != 0
-    output = proc.stdout + proc.stderr
-    killed = proc.returncode != 0
+            rest, _ = _run_pytest(["tests", "--ignore=tests/stateful", "-x", "-q",
+                                   "-p", "no:cacheprovider"], copy, timeout)
+            others = rest != 0
+    killed = status not in (0, None)
     # The failing assertion's own line ("E   AssertionError: INV-QUEUE-2: ...")
     # names the invariant; other ids in the output come from printed source.
     # Several distinct failures come as an exception group, each line behind "| ".
     error_lines = [line for line in output.splitlines()
                    if line.startswith("E ") or line.lstrip(" |").startswith("AssertionError")]
     ids = INVARIANT_ID.findall("\n".join(error_lines))
-    if ids:
+    if status is None:
+        caught_by = f"TIMEOUT after {timeout:.0f}s"
+    elif ids:
         caught_by = ids[0]
     elif killed:
         caught_by = error_lines[0].lstrip(" |E").strip()[:70] if error_lines else "test failure"
@@ -385,22 +720,66 @@ def run_one(bug: SeededBug, pytest_args: list[str], also_other_suites: bool = Fa
     return Outcome(bug, killed, caught_by, time.monotonic() - start, others)
 
 
+def _tensor_engine_outcome(bug: SeededBug, status: int | None, output: str,
+                           seconds: float) -> Outcome:
+    if status is None:
+        return Outcome(bug, False, "TIMEOUT (a hang is no kill: add a step guard)", seconds)
+    if status == 0:
+        return Outcome(bug, False, "-", seconds)
+    failed = FAILED_TEST.findall(output)
+    if status not in (1, 2) or not failed:
+        # 3 (internal error), 4 (usage), 5 (no tests): the run itself is broken.
+        raise SystemExit(f"seeded bug {bug.bug_id}: pytest exited {status} without a "
+                         f"failing test:\n{output[-3000:]}")
+    test = failed[0]
+    return Outcome(bug, True, test, seconds, suite=test.split("/")[1])
+
+
+def write_markdown(path: Path, outcomes: list[Outcome]) -> None:
+    """The kill table as markdown: one row per bug, what it breaks and what failed first."""
+    lines = ["| bug | kind | file | what it breaks | killed by (first failing test) | time |",
+             "|---|---|---|---|---|---|"]
+    for o in outcomes:
+        verdict = f"`{o.caught_by}`" if o.killed else f"**SURVIVED** ({o.caught_by})"
+        lines.append(f"| `{o.bug.bug_id}` | {o.bug.kind} | `{o.bug.path.removeprefix('kvref/')}`"
+                     f" | {o.bug.description} | {verdict} | {o.seconds:.0f}s |")
+    killed = sum(o.killed for o in outcomes)
+    lines.append("")
+    lines.append(f"{killed} of {len(outcomes)} killed by tests/tensor and tests/engine alone.")
+    path.write_text("\n".join(lines) + "\n")
+
+
+CATALOGUES = {"core": lambda: CATALOGUE, "tensor-engine": lambda: TENSOR_ENGINE_CATALOGUE}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-k", dest="select", default="", help="only bug ids containing this")
+    parser.add_argument("-k", dest="select", default="",
+                        help="only bug ids containing this (or any of several, comma-separated)")
+    parser.add_argument("--catalogue", choices=sorted(CATALOGUES), default="core",
+                        help="core: the KV layer against tests/stateful; tensor-engine: "
+                             "worker, attention and engine against tests/tensor+tests/engine")
     parser.add_argument("--list", action="store_true", help="print the catalogue and stop")
     parser.add_argument("-j", "--jobs", type=int, default=2, help="bugs run in parallel")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds one bug's run may take (TIMEOUT: not killed)")
     parser.add_argument("--also-other-suites", action="store_true",
-                        help="also run the unit and conformance tests on each bug "
-                             "and report whether they catch it too")
+                        help="core catalogue: also run the unit and conformance tests on "
+                             "each bug and report whether they catch it too")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="tensor-engine catalogue: also write the kill table there")
     parser.add_argument("pytest_args", nargs="*",
                         help="extra pytest arguments, e.g. --hypothesis-profile=deep")
     args = parser.parse_args(argv)
-    bugs = [b for b in CATALOGUE if args.select in b.bug_id]
+    tensor_engine = args.catalogue == "tensor-engine"
+    if tensor_engine and args.also_other_suites:
+        parser.error("--also-other-suites is for the core catalogue")
+    wanted = args.select.split(",")
+    bugs = [b for b in CATALOGUES[args.catalogue]() if any(w in b.bug_id for w in wanted)]
     if args.list:
         for bug in bugs:
-            print(f"{bug.bug_id:24} {bug.path:42} {bug.description}")
+            print(f"{bug.bug_id:30} {bug.kind:14} {bug.path:40} {bug.description}")
         return 0
     # Fail fast on a stale catalogue before spending minutes on the runs.
     for bug in bugs:
@@ -412,9 +791,11 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
     outcomes: list[Outcome] = []
+    suite_name = ("tests/tensor + tests/engine" if tensor_engine else "the stateful suite")
     with Progress(console=console) as progress, ThreadPoolExecutor(args.jobs) as pool:
-        task = progress.add_task("running the stateful suite on each bug", total=len(bugs))
-        futures = [pool.submit(run_one, bug, args.pytest_args, args.also_other_suites)
+        task = progress.add_task(f"running {suite_name} on each bug", total=len(bugs))
+        futures = [pool.submit(run_one, bug, args.pytest_args, args.also_other_suites,
+                               args.catalogue, args.timeout)
                    for bug in bugs]
         for future in futures:
             outcome = future.result()
@@ -423,6 +804,24 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{'killed' if outcome.killed else 'SURVIVED'} "
                                    f"({outcome.caught_by}, {outcome.seconds:.0f}s)")
             progress.advance(task)
+
+    survived = [o.bug.bug_id for o in outcomes if not o.killed]
+    if tensor_engine:
+        table = Table(title="Seeded bugs against tests/tensor + tests/engine "
+                            "(descriptions: --list)")
+        for column in ("bug", "kind", "verdict", "first failing test", "time"):
+            table.add_column(column)
+        for o in outcomes:
+            table.add_row(o.bug.bug_id, o.bug.kind,
+                          "[green]killed[/green]" if o.killed else "[red]SURVIVED[/red]",
+                          o.caught_by, f"{o.seconds:.0f}s")
+        console.print(table)
+        if args.markdown:
+            write_markdown(args.markdown, outcomes)
+        console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed "
+                      "by tests/tensor and tests/engine alone (no trace, no lesson)"
+                      + (f"; survived: {', '.join(survived)}" if survived else ""))
+        return 1 if survived else 0
 
     table = Table(title="Seeded bugs against tests/stateful")
     columns = ["bug", "what it breaks", "stateful suite alone", "caught by"]
@@ -437,7 +836,6 @@ def main(argv: list[str] | None = None) -> int:
             row.append("yes" if o.others else "no")
         table.add_row(*row, f"{o.seconds:.0f}s")
     console.print(table)
-    survived = [o.bug.bug_id for o in outcomes if not o.killed]
     console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed "
                   "by the stateful suite alone (tests/stateful, no unit test or trace)"
                   + (f"; survived: {', '.join(survived)}" if survived else ""))

@@ -19,7 +19,8 @@
 # (`get_num_blocks`, `get_uniform_page_size`, `max_memory_usage_bytes`,
 # `get_max_concurrency_for_kv_cache_config`, `estimate_max_model_len`; see
 # `specs/capacity.md`). vLLM reads the lengths from its `VllmConfig`; kvref's
-# functions take them as keyword arguments.
+# functions take them as keyword arguments (or, in vLLM's form, a config).
+# Section 5 builds the groups themselves from per-layer specs, as vLLM does.
 #
 # The sizes below are real models' shapes, in bytes; nothing is allocated. Each
 # answer is then checked on a small pool with the real `KVCacheManager`.
@@ -29,8 +30,9 @@ from rich.table import Table
 
 from kvref import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
                    KVCacheGroupSpec, KVCacheManager, MambaSpec, Request, SlidingWindowSpec,
-                   estimate_max_model_len, get_max_concurrency_for_kv_cache_config,
-                   get_num_blocks, get_uniform_page_size, max_memory_usage_bytes)
+                   capacity_config, estimate_max_model_len, get_kv_cache_configs,
+                   get_max_concurrency_for_kv_cache_config, get_num_blocks,
+                   get_uniform_page_size, max_memory_usage_bytes)
 
 from _lesson import claim, finish, section, show, start
 
@@ -233,6 +235,54 @@ claim(round(concurrency["all full"], 2) == 1.33 and round(concurrency["hybrid"],
       "hybrid layout (2730 / 2048 and 16384 / (2048 + 5 * 193))")
 claim(longest == {"all full": 43680, "hybrid": 246704},
       "the longest request that fits alone: 43680 tokens, or 246704 with the hybrid layout")
+
+# %% [markdown]
+# ## 5. Who decides the groups: the KV cache config builder
+#
+# Section 4 wrote the hybrid layout down by hand. In vLLM nobody does: the
+# model runner reports one spec per layer, `{layer name: spec}`, and
+# `get_kv_cache_configs` (`kv_cache_utils.py`) turns that and the free bytes
+# into the `KVCacheConfig` every lesson starts from:
+#
+# 1. **groups** (`get_kv_cache_groups`): equal specs make one group; several
+#    attention types are first given one page size, then each type's layers
+#    are dealt round-robin (`layers[i::n]`) into groups of one size, the
+#    smallest type's layer count (8 full layers here, so 40 window layers make
+#    5 groups of 8);
+# 2. **tensors** (`get_kv_cache_config_from_groups`): tensor `j` is shared by
+#    layer `j` of every group, and the budget buys `available // page //
+#    group_size` blocks.
+#
+# Which manager serves which spec, and which specs may share a group, comes
+# from the spec registry (`kvref.kv_cache_spec_registry`). The builder reads
+# its numbers from a vLLM `VllmConfig`; `capacity_config` makes a small object
+# with the same attributes. With `disable_hybrid_kv_cache_manager` the window
+# layers become full attention that remembers its window: one group, the
+# "all full" layout of section 4.
+
+# %%
+section("5. The same model from per-layer specs")
+layer_specs = {f"layers.{i}": full if i % 6 == 5 else swa for i in range(48)}
+(built,) = get_kv_cache_configs(capacity_config(L, max_num_batched_tokens=T),
+                                [dict(layer_specs)], [8 * GiB])
+built_table = Table("group", "spec", "layers", box=None, header_style="bold")
+for g, group in enumerate(built.kv_cache_groups):
+    built_table.add_row(str(g), type(group.kv_cache_spec).__name__,
+                        ", ".join(group.layer_names[:3]) + ", ...")
+show(built_table)
+claim([len(g.layer_names) for g in built.kv_cache_groups] == [8] * 6
+      and type(built.kv_cache_groups[5].kv_cache_spec) is FullAttentionSpec,
+      "the builder finds section 4's layout: 5 window groups and 1 full group of 8 layers")
+claim(built.kv_cache_groups[0].layer_names[:2] == ["layers.0", "layers.6"],
+      "window layers are dealt round-robin: group 0 holds layers 0, 6, 12, ...")
+claim(built.num_blocks == hybrid.num_blocks == 16384 and len(built.kv_cache_tensors) == 8
+      and all(len(t.shared_by) == 6 for t in built.kv_cache_tensors),
+      "16384 blocks in 8 tensors, each shared by one layer of every group")
+(one_group,) = get_kv_cache_configs(
+    capacity_config(L, max_num_batched_tokens=T, disable_hybrid_kv_cache_manager=True),
+    [dict(layer_specs)], [8 * GiB])
+claim(len(one_group.kv_cache_groups) == 1 and one_group.num_blocks == all_full.num_blocks,
+      "with the hybrid manager disabled: one group of 48 layers and section 4's 2730 blocks")
 
 # %%
 finish()

@@ -17,9 +17,12 @@ Example, block size 4, sliding window 8, 20 tokens computed::
     sliding window  [ 0,  0,  0, 11, 12]      only tokens 13..20 are read;
                       ^^^^^^^^^^ null block   blocks before them were freed
 
-The managers here: ``FullAttentionManager``, ``SlidingWindowManager``,
-``ChunkedLocalAttentionManager``, ``MambaManager``, ``CrossAttentionManager``;
-``get_manager_for_kv_cache_spec`` picks one for a spec.
+The managers here: ``FullAttentionManager`` (and its two variants
+``RSWAManager``, ``SinkFullAttentionManager``), ``SlidingWindowManager``,
+``ChunkedLocalAttentionManager``, ``MambaManager``, ``CrossAttentionManager``.
+``register_all_kvcache_specs`` tells the spec registry
+(``kvref.kv_cache_spec_registry``) which manager serves which spec class;
+``get_manager_for_kv_cache_spec`` asks it for a spec's manager.
 """
 
 from __future__ import annotations
@@ -33,10 +36,17 @@ from kvref.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    HiddenStateCacheSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
+    TQFullAttentionSpec,
 )
+from kvref.kv_cache_spec_registry import KVCacheSpecRegistry, add_builtin_registration
 from kvref.math_utils import cdiv
 from kvref.request import Request
 
@@ -56,13 +66,19 @@ class SingleTypeKVCacheManager:
             local); ``None`` means no cap. The full-sequence admission check
             counts at most this many: the pool was sized with the same number,
             so a long request the pool can serve is never refused for good.
+        dcp_world_size, pcp_world_size: decode / prefill context-parallel
+            ranks. Each rank stores every ``ranks``-th token, so one block
+            table entry covers ``block_size * ranks`` tokens.
     """
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool,
                  enable_caching: bool, kv_cache_group_id: int, scheduler_block_size: int,
+                 dcp_world_size: int = 1, pcp_world_size: int = 1,
                  max_admission_blocks_per_request: int | None = None) -> None:
         self.kv_cache_spec = kv_cache_spec
-        self.block_size = kv_cache_spec.block_size
+        self.block_size = kv_cache_spec.block_size * dcp_world_size * pcp_world_size
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
         self.block_pool = block_pool
         self.enable_caching = enable_caching
         self.kv_cache_group_id = kv_cache_group_id
@@ -221,17 +237,17 @@ class SingleTypeKVCacheManager:
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
             return
-        blocks = self.req_to_blocks[request_id]
-        # Skipped tokens may run past the allocated blocks (external tokens).
-        self._remove_blocks_in_range(request_id,
-                                     min(num_skipped_tokens // self.block_size, len(blocks)))
+        self._remove_blocks_in_range(request_id, 0, num_skipped_tokens // self.block_size)
 
-    def _remove_blocks_in_range(self, request_id: str, end: int) -> None:
-        """Null out ``blocks[:end]`` from right to left, stopping at the first
-        null block (everything before it was nulled by an earlier call)."""
+    def _remove_blocks_in_range(self, request_id: str, first_block: int,
+                                last_block: int) -> None:
+        """Null out ``blocks[first_block:last_block]`` from right to left,
+        stopping at the first null block (everything before it was nulled by an
+        earlier call). The range may run past the allocated blocks (skipped
+        tokens can include external ones): it is cut at the table's end."""
         blocks = self.req_to_blocks[request_id]
         freed = []
-        for i in range(end - 1, -1, -1):
+        for i in range(min(last_block, len(blocks)) - 1, first_block - 1, -1):
             if blocks[i] is self._null_block:
                 break
             freed.append(blocks[i])
@@ -322,6 +338,56 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 break
             count += 1
         return count
+
+
+class RSWAManager(FullAttentionManager):
+    """Reference sliding-window attention (``RSWASpec``): the prompt stays
+    visible, generated tokens only within the last ``rswa_window``.
+
+    Hits and allocation are full attention's. ``remove_skipped_blocks`` with
+    the prompt length frees the *gap*: the whole blocks after the prompt's
+    last block and before the window (vLLM calls it with
+    ``request.num_prompt_tokens`` from ``allocate_slots``). Without it, nothing
+    is freed. With block size 4, a 16-token prompt, window 8 and 28 tokens
+    computed, the window starts at token 20, so block 4 (tokens 16..19) goes.
+    """
+
+    def __init__(self, kv_cache_spec: RSWASpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.rswa_window = kv_cache_spec.rswa_window
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        if num_prompt_tokens is None:
+            return  # full attention frees nothing early
+        first_gap_block = cdiv(num_prompt_tokens, self.block_size)
+        window_start = max(num_prompt_tokens, total_computed_tokens - self.rswa_window)
+        self._remove_blocks_in_range(request_id, first_gap_block,
+                                     window_start // self.block_size)
+
+
+class SinkFullAttentionManager(FullAttentionManager):
+    """Full attention with sink tokens (``SinkFullAttentionSpec``): the
+    manager takes ``sink_len // block_size`` blocks from the front of the free
+    queue when it is built and keeps them in ``sink_blocks`` for the sink
+    tokens every request attends to; requests' own blocks are full attention's.
+
+    The blocks are taken off the queue without a reference count, as vLLM does:
+    the pool simply has fewer free blocks from then on.
+    """
+
+    def __init__(self, kv_cache_spec: SinkFullAttentionSpec, block_pool: BlockPool,
+                 enable_caching: bool, kv_cache_group_id: int,
+                 scheduler_block_size: int | None = None, **kwargs) -> None:
+        super().__init__(kv_cache_spec, block_pool, enable_caching, kv_cache_group_id,
+                         kv_cache_spec.block_size if scheduler_block_size is None
+                         else scheduler_block_size, **kwargs)
+        sink_len = kv_cache_spec.sink_len
+        if sink_len is None or sink_len <= 0 or sink_len % self.block_size:
+            raise ValueError(f"SinkFullAttentionSpec.sink_len must be a positive "
+                             f"multiple of the block size {self.block_size}, got "
+                             f"{sink_len!r}")
+        self.sink_blocks = block_pool.free_block_queue.popleft_n(sink_len // self.block_size)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -674,21 +740,49 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_blocks_this_step.clear()
 
 
-_MANAGER_FOR_SPEC = {
-    FullAttentionSpec: FullAttentionManager,
-    SlidingWindowSpec: SlidingWindowManager,
-    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
-    MambaSpec: MambaManager,
-    CrossAttentionSpec: CrossAttentionManager,
-}
+# spec class -> (its manager, the spec class it groups with). The full
+# attention family (TurboQuant, MLA, hidden states, R-SWA, sinks) groups with
+# full attention; a window over MLA latents groups only with its own kind.
+_BUILTIN_SPECS = [
+    (FullAttentionSpec, FullAttentionManager, FullAttentionSpec),
+    (SlidingWindowSpec, SlidingWindowManager, SlidingWindowSpec),
+    (SlidingWindowMLASpec, SlidingWindowManager, SlidingWindowMLASpec),
+    (MambaSpec, MambaManager, MambaSpec),
+    (ChunkedLocalAttentionSpec, ChunkedLocalAttentionManager, ChunkedLocalAttentionSpec),
+    (CrossAttentionSpec, CrossAttentionManager, CrossAttentionSpec),
+    (TQFullAttentionSpec, FullAttentionManager, FullAttentionSpec),
+    (MLAAttentionSpec, FullAttentionManager, FullAttentionSpec),
+    (RSWASpec, RSWAManager, FullAttentionSpec),
+    (HiddenStateCacheSpec, FullAttentionManager, FullAttentionSpec),
+    (SinkFullAttentionSpec, SinkFullAttentionManager, FullAttentionSpec),
+]
+
+
+def register_all_kvcache_specs(vllm_config=None) -> None:
+    """Register kvref's spec classes with their managers and grouping bases.
+
+    ``vllm_config`` is accepted for vLLM's signature; vLLM also lets its
+    platform register extra specs there, which kvref has none of.
+    ``EncoderOnlyAttentionSpec`` is not registered (as in vLLM): encoder-only
+    layers keep no KV cache and never form a group.
+    """
+    del vllm_config
+    for spec_cls, manager_cls, base in _BUILTIN_SPECS:
+        KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=base)
+
+
+register_all_kvcache_specs()
+add_builtin_registration(register_all_kvcache_specs)
 
 
 def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_tokens: int,
                                   max_model_len: int, **kwargs) -> SingleTypeKVCacheManager:
-    """The manager for a spec; block-recycling types get their admission cap."""
-    manager_cls = _MANAGER_FOR_SPEC.get(type(kv_cache_spec))
+    """The manager the registry names for the spec (its nearest registered
+    class); block-recycling types get their admission cap."""
+    manager_cls = KVCacheSpecRegistry.get_manager_class(kv_cache_spec)
     if manager_cls is None:
-        raise ValueError(f"no KV cache manager for spec type {type(kv_cache_spec).__name__}")
+        raise ValueError(f"no KV cache manager for spec type {type(kv_cache_spec).__name__}"
+                         " (register it with kvref.kv_cache_spec_registry)")
     if isinstance(kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
         kwargs["max_admission_blocks_per_request"] = \
             kv_cache_spec.max_admission_blocks_per_request(max_num_batched_tokens,
@@ -698,6 +792,6 @@ def get_manager_for_kv_cache_spec(kv_cache_spec: KVCacheSpec, max_num_batched_to
 
 __all__ = [
     "ChunkedLocalAttentionManager", "CrossAttentionManager", "FullAttentionManager",
-    "MambaManager", "SingleTypeKVCacheManager", "SlidingWindowManager",
-    "get_manager_for_kv_cache_spec",
+    "MambaManager", "RSWAManager", "SingleTypeKVCacheManager", "SinkFullAttentionManager",
+    "SlidingWindowManager", "get_manager_for_kv_cache_spec", "register_all_kvcache_specs",
 ]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import zlib
 
+from kvref.distributed.kv_transfer.kv_connector.v1.base import execute_with_connector
 from kvref.engine.gpu_input_batch import RunnerRequestStates
 from kvref.engine.ngram_proposer import NgramProposer
 from kvref.engine.outputs import ModelRunnerOutput
@@ -44,11 +45,16 @@ class ModelFreeRunner(RunnerRequestStates):
         drafter: an ``NgramProposer`` for speculative decoding, or None.
         async_scheduling: the scheduler is an ``AsyncScheduler`` (see
             ``RunnerRequestStates``).
+        kv_connector: a KV connector's WORKER half, driven around each step as
+            the real runner drives it (``execute_with_connector``); one that
+            moves no tensors (the ``connector`` workload's) fits a runner with
+            no KV cache.
     """
 
     def __init__(self, vocab_size: int = 32000, drafter: NgramProposer | None = None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, kv_connector=None) -> None:
         super().__init__(drafter, async_scheduling)
+        self.kv_connector = kv_connector
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
@@ -65,6 +71,9 @@ class ModelFreeRunner(RunnerRequestStates):
         return tokens[len(prompt_token_ids):]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return execute_with_connector(self.kv_connector, scheduler_output, self._execute_model)
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         states = self.update_states(scheduler_output)
         drafts = self.scheduled_drafts(scheduler_output)
         sampled: list[list[int]] = []

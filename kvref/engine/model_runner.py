@@ -56,8 +56,8 @@ import torch
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from kvref.attention import PagedAttentionPlan, make_kv_cache
 from kvref.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorOutput,
-                                                                KVConnectorRole)
+from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorRole,
+                                                                execute_with_connector)
 from kvref.engine.model import AttentionMetadata, TransformerForCausalLM
 from kvref.engine.model_config import ModelConfig
 from kvref.engine.gpu_input_batch import CachedRequestState, RunnerRequestStates
@@ -198,21 +198,8 @@ class GPUModelRunner(RunnerRequestStates):
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        connector = self.kv_connector
-        if connector is None:
-            return self._execute_model(scheduler_output)
         # KV connector seam: load before the forward, save after, report what ended.
-        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
-        connector.start_load_kv()
-        output = self._execute_model(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens > 0:
-            connector.wait_for_save()             # (a step without a forward saves nothing)
-        sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
-        output.kv_connector_output = KVConnectorOutput(
-            finished_sending=sending, finished_recving=recving,
-            invalid_block_ids=connector.get_block_ids_with_load_errors())
-        connector.clear_connector_metadata()
-        return output
+        return execute_with_connector(self.kv_connector, scheduler_output, self._execute_model)
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         states = self.update_states(scheduler_output)

@@ -98,7 +98,8 @@ API summary (what other code relies on):
     ``Scheduler(kv_cache_manager, max_num_batched_tokens, max_num_seqs=128,
     max_model_len=None, long_prefill_token_threshold=0,
     enable_chunked_prefill=True, eos_token_id=None, *,
-    scheduler_reserve_full_isl=True, num_speculative_tokens=0, kv_consumer=False)``;
+    scheduler_reserve_full_isl=True, num_speculative_tokens=0, kv_consumer=False,
+    kv_transfer_config=None)`` (``connector``: its scheduler half, or None);
     ``new_request(request_id, prompt_token_ids, sampling_params) -> EngineRequest``
     or ``add_request(EngineRequest)``; ``schedule() -> SchedulerOutput``;
     ``update_from_output(scheduler_output, model_runner_output) -> list[EngineRequest]``

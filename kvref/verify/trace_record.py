@@ -103,6 +103,19 @@ def make_header(config: KVCacheConfig, *, max_model_len: int, scheduler_block_si
             "event_hash_format": "int64"}
 
 
+class _ReadOnlyCoordinator:
+    """The coordinator as the recorder lets a scheduler see it: one query, no writes
+    (the scheduler sizes ``reserved_blocks`` with it; what it decides is in the
+    recorded ``allocate_slots``)."""
+
+    def __init__(self, coordinator) -> None:
+        self.get_num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"RecordingKVCacheManager cannot record coordinator.{name}; "
+                             "a recorded scheduler may only call get_num_blocks_to_allocate")
+
+
 class _ReadOnlyBlockPool:
     """The pool as the recorder lets a scheduler see it: reads pass, writes refuse."""
 
@@ -129,6 +142,7 @@ class RecordingKVCacheManager:
         self._replayer = TraceReplayer(self.header)     # seeds NONE_HASH from the header
         self.manager = self._replayer.manager
         self.block_pool = _ReadOnlyBlockPool(self.manager.block_pool)
+        self.coordinator = _ReadOnlyCoordinator(self.manager.coordinator)
         self.ops: list[dict] = []
         self.live: list[Any] = []                       # what each op returned in the live run
         self._known: dict[str, dict] = {}               # request id -> what the trace has told

@@ -11,7 +11,9 @@ scheduler), using only the output and the requests' token counts:
 - ``max_num_seqs``: requests scheduled, and requests running after the step;
 - ``max_model_len``: a request scheduled from position ``c`` with ``n``
   tokens stays within ``c + n <= max_model_len - 1`` (the last position is
-  never computed: the token sampled there ends the request);
+  never computed: the token sampled there ends the request), except vLLM's
+  padding of a one-token admission to ``1 + k`` with placeholder drafts (-1),
+  which may reach ``max_model_len``;
 - the real tokens come first and exist (``c + n - drafts <= num_tokens``);
   drafts only after the last known token, at most ``k`` of them;
 - without chunked prefill, a new request's remaining prompt is scheduled whole.
@@ -32,7 +34,7 @@ class Limits:
     num_speculative_tokens: int = 0
     steps_checked: int = 0
     chunks_checked: int = 0                 # prefill chunks not starting at position 0
-    max_position_reached: int = 0           # the highest c + n seen
+    max_position_reached: int = 0           # the highest c + n seen (padding aside)
 
     def check(self, scheduler, output) -> None:
         scheduled = output.num_scheduled_tokens
@@ -56,14 +58,21 @@ class Limits:
                 assert n <= self.long_prefill_token_threshold, (
                     f"{req_id}: {n} tokens in one step from position {start}, "
                     f"long_prefill_token_threshold {self.long_prefill_token_threshold}")
-            assert start + n <= self.max_model_len - 1, (
+            # vLLM pads a one-token admission among decodes to 1 + k with k draft
+            # slots of -1 (always rejected), and lets that padding reach the last
+            # position; real work and real drafts stop one short of it.
+            padded = bool(drafts) and all(t == -1 for t in drafts)
+            last = self.max_model_len if padded else self.max_model_len - 1
+            assert start + n <= last, (
                 f"{req_id}: positions {start}..{start + n - 1} scheduled, "
                 f"max_model_len {self.max_model_len}")
             real = n - len(drafts)
-            assert real >= 1 and start + real <= request.num_tokens, (
-                f"{req_id}: {real} real tokens from {start}, it has {request.num_tokens}")
+            # Async scheduling: tokens of steps in flight are not in num_tokens yet.
+            known = request.num_tokens + getattr(request, "num_output_placeholders", 0)
+            assert real >= 1 and start + real <= known, (
+                f"{req_id}: {real} real tokens from {start}, it has {known}")
             if drafts:
-                assert start + real == request.num_tokens, f"{req_id}: drafts before the end"
+                assert start + real == known, f"{req_id}: drafts before the end"
                 assert len(drafts) <= self.num_speculative_tokens
             if not self.enable_chunked_prefill and req_id in new_ids:
                 assert start + n == request.num_tokens, (
@@ -71,7 +80,8 @@ class Limits:
                     "without chunked prefill")
             if start > 0 and (real > 1 or start + real < request.num_tokens):
                 self.chunks_checked += 1
-            self.max_position_reached = max(self.max_position_reached, start + n)
+            self.max_position_reached = max(self.max_position_reached,
+                                            start + (real if padded else n))
         self.steps_checked += 1
 
 

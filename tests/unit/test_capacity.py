@@ -60,10 +60,20 @@ def test_mamba_page_is_its_state_tensors_or_the_padded_size():
     assert MambaSpec(16, page_size_padded=4096).page_size_bytes == 4096
     with pytest.raises(ValueError, match="no page size"):
         MambaSpec(16).page_size_bytes
+    # As in vLLM, any shapes/dtypes build a spec (vLLM's own tests pass
+    # shapes=(1, 1), dtypes=(torch.float32,)); only the page size reads them.
+    odd = MambaSpec(16, shapes=((4,),), dtypes=())
     with pytest.raises(ValueError, match="one dtype per state shape"):
-        MambaSpec(16, shapes=((4,),), dtypes=())
+        odd.page_size_bytes
+    with pytest.raises(ValueError, match="below the states"):
+        MambaSpec(16, shapes=((4,),), dtypes=("float32",), page_size_padded=8).page_size_bytes
     with pytest.raises(ValueError, match="page_size_padded must be a positive int"):
         MambaSpec(16, page_size_padded=0)
+
+
+def test_mamba_default_mode_is_vllms_none():
+    assert MambaSpec(16).mamba_cache_mode == "none"
+    assert MambaSpec(16).max_num_blocks_per_request(max_model_len=1000) == 1
 
 
 def test_capacity_fields_leave_spec_equality_as_it_was():

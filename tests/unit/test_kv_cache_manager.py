@@ -515,7 +515,8 @@ def test_block_ids_for_computed_tokens_are_clipped_to_the_blocks_that_hold_them(
 
 
 def test_block_ids_for_computed_tokens_keep_mamba_tables_whole():
-    manager = make_manager(16, FullAttentionSpec(BLOCK_SIZE), MambaSpec(BLOCK_SIZE))
+    manager = make_manager(16, FullAttentionSpec(BLOCK_SIZE),
+                           MambaSpec(BLOCK_SIZE, mamba_cache_mode="all"))
     run_prefill(manager, make_request("a", 10))
     assert manager.get_block_ids("a") == ([1, 2, 3], [4, 5, 6])
     assert manager.get_block_ids_for_computed_tokens("a", 5) == ([1, 2], [4, 5, 6])
