@@ -39,6 +39,7 @@ from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheMa
 from kvref.distributed.kv_transfer.disagg_prefill import run_prefill_engine
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.engine import LLM, SamplingParams
+from kvref.math_utils import cdiv
 from kvref.viz import render_pool
 
 from _lesson import claim, finish, section, show, start, tiny_llama
@@ -139,7 +140,7 @@ claim(decode.stats.prompt_tokens_computed == len(prompts),
       f"it computed {decode.stats.prompt_tokens_computed} prompt tokens: one per prompt")
 claim(decode.stats.prompt_tokens_external == sum(len(p) - 1 for p in prompts),
       f"the other {decode.stats.prompt_tokens_external} came from the prefill engine")
-claim(decode.model_runner.kv_connector.num_blocks_received == sum(-(-len(p) // 4)
+claim(decode.model_runner.kv_connector.num_blocks_received == sum(cdiv(len(p), 4)
                                                                   for p in prompts),
       "every prompt block crossed between the processes, one message each")
 claim(prefill.exitcode == 0, "the prefill engine freed its blocks once sent, and exited")
