@@ -21,8 +21,8 @@ Sections:
   against ``transformers`` (``attention.py``, ``engine.py``; kvref only).
 
 vLLM runs in a worker process started with ``--vllm-python`` (default: the venv
-``/root/.cache/vllm-oracle/bin/python`` that ``../shared/conformance``'s setup
-script makes, if it exists); kvref runs in a worker started with this python.
+``/root/.cache/vllm-oracle/bin/python`` that ``tools/setup_vllm_venv.py``
+makes, if it exists); kvref runs in a worker started with this python.
 Both workers stay alive for the whole run, so imports are paid once, and only
 one of them works at any moment. Results are printed, and written as JSON
 (``--json``) and as a Markdown table (``--markdown``).
@@ -100,7 +100,8 @@ def start_workers(args) -> dict[str, Worker]:
     python = args.vllm_python
     if not python or not Path(python).exists():
         print(f"vLLM: NOT AVAILABLE (no python at {python!r}; make one with "
-              "../shared/conformance/setup_vllm_venv.sh or pass --vllm-python); kvref only")
+              "python3 tools/setup_vllm_venv.py /root/.cache/vllm-oracle or pass --vllm-python); "
+              "kvref only")
         return workers
     vllm = Worker("vllm", python)
     if not vllm.ready:

@@ -13,7 +13,7 @@ What it does:
    named in ``TEST_FILES`` plus the few helper modules they import. vLLM's
    test code is never copied into this repository.
 2. Runs them with pytest in the vLLM oracle environment (``--python``, made by
-   ``../shared/conformance/setup_vllm_venv.sh``; pytest and pytest-asyncio are
+   ``tools/setup_vllm_venv.py``; pytest and pytest-asyncio are
    installed there if missing) twice: once as they are, once with vLLM's KV
    layer replaced by kvref's (``tools/vllm_kvref_plugin.py`` lists the seven
    modules; nothing else of vLLM is replaced).
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not os.path.exists(args.python):
         raise SystemExit(f"{args.python}: no vLLM oracle environment; make one with "
-                         "bash ../shared/conformance/setup_vllm_venv.sh ~/.cache/vllm-oracle")
+                         "python3 tools/setup_vllm_venv.py ~/.cache/vllm-oracle")
     cache = pathlib.Path(args.cache)
     files = [f for f in TEST_FILES if args.match is None or args.match in f]
     if not files:
