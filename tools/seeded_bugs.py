@@ -62,6 +62,26 @@ class SeededBug:
     kind: str = ""  # tensor-engine catalogue: the blind spot it probes (KINDS)
 
 
+# allocate_slots' step 3 (free what the window left behind) and step 4 (the capacity
+# gate); the seeded bug swaps them, so the freed blocks cannot serve the same call.
+_SKIP = ("        self.coordinator.remove_skipped_blocks(request.request_id, total_computed,\n"
+         "                                               num_prompt_tokens=request.num_prompt_tokens)\n")
+_GATE = ("        # 4. The capacity gate: the blocks needed, the watermark, the reserved blocks.\n"
+         "        needed = self.coordinator.get_num_blocks_to_allocate(\n"
+         "            request_id=request.request_id, num_tokens=num_tokens_need_slot,\n"
+         "            new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,\n"
+         "            total_computed_tokens=num_local_computed + num_external_computed_tokens,\n"
+         "            num_tokens_main_model=num_tokens_main_model)\n"
+         "        num_free_blocks_after = self.block_pool.get_num_free_blocks()\n"
+         "        available = num_free_blocks_after - reserved_blocks\n"
+         "        gates.num_freed_blocks = num_free_blocks_after - num_free_blocks\n"
+         "        gates.num_blocks_needed, gates.num_available_blocks = needed, available\n"
+         "        if needed + watermark_blocks > available:\n"
+         "            gates.refused_by = \"capacity\"\n"
+         "            return None\n")
+SKIP_AFTER_ROOM_CHECK_OLD = _SKIP + "\n" + _GATE
+SKIP_AFTER_ROOM_CHECK_NEW = _GATE + _SKIP
+
 CATALOGUE: list[SeededBug] = [
     SeededBug("hit-cap-off-by-one",
               "the prefix hit may cover the whole prompt (cap num_tokens, not num_tokens - 1)",
@@ -104,7 +124,7 @@ CATALOGUE: list[SeededBug] = [
     SeededBug("hybrid-one-pass",
               "the hybrid fixed point stops after the first pass",
               "kvref/core/kv_cache_coordinator.py",
-              "            if one_pass:\n                break\n",
+              "            if is_simple_hybrid:\n                break\n",
               "            break\n"),
     SeededBug("unhashed-to-tail",
               "freed blocks without a hash go to the back of the queue, not the front",
@@ -231,27 +251,8 @@ CATALOGUE: list[SeededBug] = [
               "allocate_slots frees blocks left of the window only after checking for "
               "room, so they cannot serve the same step",
               "kvref/core/kv_cache_manager.py",
-              "        self.coordinator.remove_skipped_blocks(request.request_id, total_computed,\n"
-              "                                               num_prompt_tokens=request.num_prompt_tokens)\n"
-              "\n"
-              "        needed = self.coordinator.get_num_blocks_to_allocate(\n"
-              "            request_id=request.request_id, num_tokens=num_tokens_need_slot,\n"
-              "            new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,\n"
-              "            total_computed_tokens=num_local_computed + num_external_computed_tokens,\n"
-              "            num_tokens_main_model=num_tokens_main_model)\n"
-              "        available = self.block_pool.get_num_free_blocks() - reserved_blocks\n"
-              "        if needed + watermark_blocks > available:\n"
-              "            return None\n",
-              "        needed = self.coordinator.get_num_blocks_to_allocate(\n"
-              "            request_id=request.request_id, num_tokens=num_tokens_need_slot,\n"
-              "            new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,\n"
-              "            total_computed_tokens=num_local_computed + num_external_computed_tokens,\n"
-              "            num_tokens_main_model=num_tokens_main_model)\n"
-              "        available = self.block_pool.get_num_free_blocks() - reserved_blocks\n"
-              "        if needed + watermark_blocks > available:\n"
-              "            return None\n"
-              "        self.coordinator.remove_skipped_blocks(request.request_id, total_computed,\n"
-              "                                               num_prompt_tokens=request.num_prompt_tokens)\n"),
+              SKIP_AFTER_ROOM_CHECK_OLD,
+              SKIP_AFTER_ROOM_CHECK_NEW),
     SeededBug("finish-skip-args-swapped",
               "remove_skipped_blocks (the scheduler's call at finish) passes the prompt "
               "length where the computed count belongs",
@@ -284,13 +285,13 @@ CATALOGUE: list[SeededBug] = [
     SeededBug("reserved-blocks-ignored",
               "allocate_slots ignores the blocks reserved for in-flight KV loads",
               "kvref/core/kv_cache_manager.py",
-              "        available = self.block_pool.get_num_free_blocks() - reserved_blocks\n",
-              "        available = self.block_pool.get_num_free_blocks()\n"),
+              "        available = num_free_blocks_after - reserved_blocks\n",
+              "        available = num_free_blocks_after\n"),
     SeededBug("full-sequence-no-watermark",
               "full_sequence_must_fit forgets the watermark",
               "kvref/core/kv_cache_manager.py",
-              "            if needed + watermark_blocks > self.block_pool.get_num_free_blocks():\n",
-              "            if needed > self.block_pool.get_num_free_blocks():\n"),
+              "            if needed + watermark_blocks > num_free_blocks:\n",
+              "            if needed > num_free_blocks:\n"),
     SeededBug("free-clears-new-block-ids",
               "freeing a request (a preemption in mid-step) drops the fresh block ids "
               "of every request allocated earlier in the step, so they are not zeroed",
