@@ -113,9 +113,6 @@ EXPECTED_KVREF_FAILURES: dict[str, str] = {
 # contains the key is counted as a not-modelled gap, not as a failure of the
 # layer kvref does model. Exit 2 while any remain.
 NOT_MODELLED: dict[str, str] = {
-    "prefix_cache/test_partial_prefix_cache_primitives.py":
-        "partial-block prefix entries (BlockPool.cache_partial_block): no caller in "
-        "vLLM 0.25.1 outside the block pool",
 }
 
 
