@@ -113,12 +113,6 @@ EXPECTED_KVREF_FAILURES: dict[str, str] = {
 # contains the key is counted as a not-modelled gap, not as a failure of the
 # layer kvref does model. Exit 2 while any remain.
 NOT_MODELLED: dict[str, str] = {
-    "test_prefix_caching.py::test_hybrid_local_kv_retention":
-        "prefix-cache retention intervals (VLLM_PREFIX_CACHE_RETENTION_INTERVAL, opt-in)",
-    "test_prefix_caching.py::test_pure_swa_retention":
-        "prefix-cache retention intervals (VLLM_PREFIX_CACHE_RETENTION_INTERVAL, opt-in)",
-    "test_prefix_caching.py::test_mamba_reachable_block_mask_sparsifies_retention":
-        "prefix-cache retention intervals (VLLM_PREFIX_CACHE_RETENTION_INTERVAL, opt-in)",
 }
 
 
