@@ -308,6 +308,26 @@ def test_hash_4_nothing_is_hashed_with_caching_disabled():
     expect_violation(manager, "INV-HASH-4", 1)
 
 
+def test_hash_5_a_partial_entry_is_a_healthy_extra_key():
+    manager, _ = healthy_manager()
+    pool = manager.block_pool
+    pool.cached_block_hashes_by_block[6] = [other_key(6)]  # block 6 holds a hash
+    pool.cached_block_hash_to_block.insert(other_key(6), pool.blocks[6])
+    check(manager)
+
+
+@pytest.mark.parametrize("extra, why", [
+    ([], "empty list"), (["own"], "its own hash"), (["other", "other"], "twice")])
+def test_hash_5_malformed_extra_keys_are_caught(extra, why):
+    manager, _ = healthy_manager()
+    pool = manager.block_pool
+    pool.cached_block_hash_to_block.insert(other_key(6), pool.blocks[6])
+    keys = {"own": pool.blocks[6].block_hash, "other": other_key(6)}
+    pool.cached_block_hashes_by_block[6] = [keys[k] for k in extra]
+    error = expect_violation(manager, "INV-HASH-5", 6)
+    assert why in str(error)
+
+
 # -- INV-MGR: block tables against the pool ------------------------------------------
 
 

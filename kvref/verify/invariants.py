@@ -32,8 +32,8 @@ v0.25.1 share (``blocks``, ``null_block``, ``free_block_queue`` with its
 ``req_to_blocks``, ``num_cached_block``, ``kv_cache_group_id``), so it accepts a
 real ``vllm.v1.core.kv_cache_manager.KVCacheManager`` or ``BlockPool``. Where
 vLLM differs it is handled: an index entry may be a single block or a dict of
-blocks, a block may carry extra partial-prefix keys in
-``pool.cached_block_hashes_by_block``, and blocks are compared by identity,
+blocks, a block's extra partial-prefix keys in
+``pool.cached_block_hashes_by_block`` are a set (kvref: a list), and blocks are compared by identity,
 never with ``==`` or ``hash()`` (vLLM's ``KVCacheBlock`` is an ``eq=True``
 dataclass, so two distinct blocks can compare equal and none is hashable).
 
@@ -67,6 +67,8 @@ CHECKED_INVARIANTS: dict[str, str] = {
     "INV-HASH-2": "every hashed block is indexed under its hash",
     "INV-HASH-3": "no index key maps to an empty set of blocks",
     "INV-HASH-4": "with caching disabled, no block is hashed and the index is empty",
+    "INV-HASH-5": "a block's extra (partial-entry) keys are a non-empty collection of "
+                  "distinct keys, none its own hash, of a pool block",
     "INV-MGR-1": "a block's ref_cnt equals the number of table slots (and popped lists) holding it",
     "INV-MGR-2": "every group's manager uses the coordinator's pool",
     "INV-MGR-3": "every table entry is a block of the pool (or the pool's null block)",
@@ -225,8 +227,9 @@ def _is_indexed(index: dict, key: Any, block: Any) -> bool:
 
 def _check_hash_index(pool: Any) -> None:
     index = pool.cached_block_hash_to_block._cache
-    # vLLM only: keys of partial-prefix entries a block holds besides its hash.
+    # Keys of partial-prefix entries a block holds besides its hash.
     extra_keys: dict[int, Any] = getattr(pool, "cached_block_hashes_by_block", None) or {}
+    _check_extra_keys(pool, extra_keys)
     caching = pool.enable_caching
     blocks = pool.blocks
     for key, value in index.items():
@@ -264,6 +267,20 @@ def _check_hash_index(pool: Any) -> None:
             if not _is_indexed(index, key, block):
                 _fail("INV-HASH-2", f"block {bid} has hash {_short(key)} but the index "
                                     "does not map that key to it", bid)
+
+
+def _check_extra_keys(pool: Any, extra_keys: dict[int, Any]) -> None:
+    for bid, keys in extra_keys.items():
+        if not (isinstance(bid, int) and 0 < bid < len(pool.blocks)):
+            _fail("INV-HASH-5", f"cached_block_hashes_by_block names block {bid!r}, not a "
+                                "non-null block of this pool")
+        keys = list(keys)
+        if not keys:
+            _fail("INV-HASH-5", f"block {bid} has an empty list of extra keys", bid)
+        if len(set(keys)) != len(keys):
+            _fail("INV-HASH-5", f"block {bid} lists an extra key twice", bid)
+        if pool.blocks[bid].block_hash in keys:
+            _fail("INV-HASH-5", f"block {bid} lists its own hash as an extra key", bid)
 
 
 def _short(key: Any) -> str:

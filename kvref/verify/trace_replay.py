@@ -268,7 +268,10 @@ class TraceReplayer:
             enable_caching=m["enable_caching"], use_eagle=m.get("use_eagle", False),
             log_stats=m.get("log_stats", False),
             enable_kv_cache_events=m.get("enable_kv_cache_events", False),
-            watermark=m.get("watermark", 0.0))
+            watermark=m.get("watermark", 0.0),
+            # Recorded with VLLM_PREFIX_CACHE_RETENTION_INTERVAL set to this
+            # (absent: unset); explicit, so the replaying shell's variable is ignored.
+            retention_interval=header.get("prefix_cache_retention_interval"))
 
     def make_request(self, op: dict) -> Request:
         """The ``Request`` of an ``add_request`` op."""
