@@ -27,6 +27,7 @@ from kvref import (
     KVCacheManager,
     MambaSpec,
     Request,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
     get_request_block_hasher,
     init_none_hash,
@@ -240,6 +241,15 @@ def test_queue_5_an_unreferenced_block_is_queued_not_leaked():
     expect_violation(manager, "INV-QUEUE-5", 10)
 
 
+def test_queue_5_a_sink_managers_blocks_are_held_not_leaked():
+    manager = make_manager(SinkFullAttentionSpec(BLOCK, sink_len=2 * BLOCK))
+    (sink_manager,) = manager.coordinator.single_type_managers
+    assert [b.ref_cnt for b in sink_manager.sink_blocks] == [0, 0]  # off the queue, unreferenced
+    check(manager)
+    forgotten = sink_manager.sink_blocks.pop()
+    expect_violation(manager, "INV-QUEUE-5", forgotten.block_id)
+
+
 def test_queue_6_a_block_outside_the_queue_has_no_links():
     manager, _ = healthy_manager()
     blocks = manager.block_pool.blocks
@@ -296,6 +306,26 @@ def test_hash_4_nothing_is_hashed_with_caching_disabled():
     block.set_block_hash(other_key(1))
     pool.cached_block_hash_to_block.insert(other_key(1), block)
     expect_violation(manager, "INV-HASH-4", 1)
+
+
+def test_hash_5_a_partial_entry_is_a_healthy_extra_key():
+    manager, _ = healthy_manager()
+    pool = manager.block_pool
+    pool.cached_block_hashes_by_block[6] = [other_key(6)]  # block 6 holds a hash
+    pool.cached_block_hash_to_block.insert(other_key(6), pool.blocks[6])
+    check(manager)
+
+
+@pytest.mark.parametrize("extra, why", [
+    ([], "empty list"), (["own"], "its own hash"), (["other", "other"], "twice")])
+def test_hash_5_malformed_extra_keys_are_caught(extra, why):
+    manager, _ = healthy_manager()
+    pool = manager.block_pool
+    pool.cached_block_hash_to_block.insert(other_key(6), pool.blocks[6])
+    keys = {"own": pool.blocks[6].block_hash, "other": other_key(6)}
+    pool.cached_block_hashes_by_block[6] = [keys[k] for k in extra]
+    error = expect_violation(manager, "INV-HASH-5", 6)
+    assert why in str(error)
 
 
 # -- INV-MGR: block tables against the pool ------------------------------------------

@@ -353,6 +353,9 @@ class VllmRun:
     # -- events --------------------------------------------------------------
 
     def _schedule(self):
+        # The same observation as kvref/verify/scheduler_replay.py's, written
+        # twice on purpose: the oracle imports nothing of kvref, so no kvref
+        # change can alter what is recorded from vLLM.
         sched = self.scheduler
         out = sched.schedule()
         manager = sched.kv_cache_manager

@@ -113,15 +113,6 @@ EXPECTED_KVREF_FAILURES: dict[str, str] = {
 # contains the key is counted as a not-modelled gap, not as a failure of the
 # layer kvref does model. Exit 2 while any remain.
 NOT_MODELLED: dict[str, str] = {
-    "prefix_cache/test_partial_prefix_cache_primitives.py":
-        "partial-block prefix entries (BlockPool.cache_partial_block): no caller in "
-        "vLLM 0.25.1 outside the block pool",
-    "test_prefix_caching.py::test_hybrid_local_kv_retention":
-        "prefix-cache retention intervals (VLLM_PREFIX_CACHE_RETENTION_INTERVAL, opt-in)",
-    "test_prefix_caching.py::test_pure_swa_retention":
-        "prefix-cache retention intervals (VLLM_PREFIX_CACHE_RETENTION_INTERVAL, opt-in)",
-    "test_prefix_caching.py::test_mamba_reachable_block_mask_sparsifies_retention":
-        "prefix-cache retention intervals (VLLM_PREFIX_CACHE_RETENTION_INTERVAL, opt-in)",
 }
 
 

@@ -14,6 +14,10 @@ Mirrors ``vllm/v1/core/block_pool.py``. The pool knows blocks, not requests:
   queue, uncached ones at the head, cached ones at the tail (LRU order).
 - ``cache_full_blocks(...)`` gives full blocks their hashes and indexes them so
   later requests can hit them (a ``BlockStored`` event).
+- ``cache_partial_block(...)`` indexes a block under a prefix that ends inside
+  it (a *partial entry*); when the block fills up, ``cache_full_blocks``
+  replaces the entry by the full key. In vLLM 0.25.1 only these primitives
+  exist: no manager calls them yet.
 
 Block 0 is the *null block*: a placeholder for blocks a request no longer needs
 (outside a sliding window, before a local-attention chunk, old Mamba states).
@@ -116,6 +120,11 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # block id -> the keys it is indexed under besides its own hash (partial
+        # entries). A list, where vLLM keeps a set: the keys leave in the order
+        # they came, so the BlockRemoved events of one block do not depend on
+        # PYTHONHASHSEED.
+        self.cached_block_hashes_by_block: dict[int, list[BlockHashWithGroupId]] = {}
         # The first block becomes the null block and never returns to the queue.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -147,6 +156,11 @@ class BlockPool:
         window can never hit them), are skipped. One ``BlockStored`` event covers
         the whole range: its ``token_ids`` span every block of the range, its
         ``block_hashes`` only the blocks actually stored.
+
+        A block of the range may already hold a partial entry of a shorter
+        prefix (``cache_partial_block``): it is promoted, every key it had
+        leaving the index first (one ``BlockRemoved`` each, before the
+        ``BlockStored``). Any other hash there is a ``RuntimeError``.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -163,14 +177,117 @@ class BlockPool:
         stored = [i for i, block in enumerate(new_blocks, start=num_cached_blocks)
                   if not block.is_null
                   and (block_mask is None or block_mask[i - num_cached_blocks])]
+        for i in stored:  # checked before any change, so a refusal changes nothing
+            covered = blocks[i].block_hash_num_tokens
+            if blocks[i].block_hash is not None and (covered is None
+                                                     or covered >= (i + 1) * block_size):
+                raise RuntimeError(f"block {blocks[i].block_id} is already cached (covering "
+                                   f"{covered} tokens); only a partial entry of a shorter "
+                                   f"prefix can be promoted to the full block")
         for i in stored:
+            block = blocks[i]
+            if block.block_hash is not None:
+                self._maybe_evict_cached_block(block)  # a partial entry is promoted
             key = make_block_hash_with_group_id(hashes[i], kv_cache_group_id)
-            blocks[i].set_block_hash(key)
-            self.cached_block_hash_to_block.insert(key, blocks[i])
+            block.set_block_hash(key, num_tokens=(i + 1) * block_size)
+            self.cached_block_hash_to_block.insert(key, block)
 
         if self.enable_kv_cache_events:
             self._emit_block_stored(request, hashes, stored, num_cached_blocks,
                                     num_full_blocks, block_size, kv_cache_group_id)
+
+    def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
+                            kv_cache_group_id: int, block_size: int
+                            ) -> BlockHashWithGroupId | None:
+        """Index ``block`` under the request's first ``num_tokens`` tokens, a
+        prefix that ends inside the block; return that key (``None``, and
+        nothing done, for the null block).
+
+        The key is the fine hash at ``num_tokens`` (every hash chains over the
+        whole prefix before it) with the group id; nothing is allocated or
+        copied. ``hash_block_size`` 2, ``block_size`` 6, 10 tokens::
+
+            tokens  | 0 1 . 2 3 . 4 5 | 6 7 . 8 9 . _ _ |
+            fine    |  a     b     c  |  d     e        |
+            full    |        c        |                 |   c -> block 0
+            partial |                 |        e        |   e -> block 1
+
+        What the key becomes depends on the block's hash, which covers
+        ``block.block_hash_num_tokens`` tokens:
+
+        - no hash: the key is its hash now;
+        - a hash of fewer tokens: the longer prefix replaces it; every key of
+          the block leaves first (a ``BlockRemoved`` each);
+        - a hash of as many tokens or more: the key is an extra one, in
+          ``cached_block_hashes_by_block[block.block_id]``; it leaves the index
+          with the block's hash (eviction, promotion, replacement, reset).
+
+        Asking again for a key the block has changes nothing and emits nothing.
+        With events on, a new key queues one ``BlockStored`` for its last
+        ``hash_block_size`` tokens (parent: the fine hash before them).
+
+        Raises ``AssertionError`` (vLLM's asserts; nothing changed) unless
+        ``block_size`` is a multiple of ``hash_block_size`` and larger,
+        ``num_tokens`` is a multiple of ``hash_block_size`` and not of
+        ``block_size``, and the request has hashes for ``num_tokens`` tokens.
+        O(keys of the block).
+        """
+        if block.is_null:
+            return None
+        hbs = self.hash_block_size
+        if block_size <= hbs or block_size % hbs != 0:
+            raise AssertionError(f"cache_partial_block: block_size {block_size} must be a "
+                                 f"multiple of hash_block_size {hbs} and larger")
+        if num_tokens % block_size == 0 or num_tokens % hbs != 0:
+            raise AssertionError(f"cache_partial_block: num_tokens {num_tokens} must be a "
+                                 f"multiple of hash_block_size {hbs} and not of block_size "
+                                 f"{block_size}")
+        num_hashes = num_tokens // hbs
+        if not 0 < num_hashes <= len(request.block_hashes):
+            raise AssertionError(f"cache_partial_block: num_tokens {num_tokens} needs "
+                                 f"{num_hashes} block hashes, request "
+                                 f"{request.request_id!r} has {len(request.block_hashes)}")
+        key = make_block_hash_with_group_id(request.block_hashes[num_hashes - 1],
+                                            kv_cache_group_id)
+        if self._has_key(block, key):
+            return key
+        covered = block.block_hash_num_tokens
+        if block.block_hash is not None and covered is not None and covered < num_tokens:
+            self._maybe_evict_cached_block(block)  # the longer prefix replaces it
+        if block.block_hash is None:
+            block.set_block_hash(key, num_tokens=num_tokens)
+        else:
+            self.cached_block_hashes_by_block.setdefault(block.block_id, []).append(key)
+        self.cached_block_hash_to_block.insert(key, block)
+        if self.enable_kv_cache_events:
+            self._emit_partial_block_stored(request, num_hashes, kv_cache_group_id)
+        return key
+
+    def _has_key(self, block: KVCacheBlock, key: BlockHashWithGroupId) -> bool:
+        return block.block_hash == key or self.cached_block_hash_to_block.contain(
+            key, block.block_id)
+
+    def _emit_partial_block_stored(self, request: Request, num_hashes: int,
+                                   group_id: int) -> None:
+        hashes = request.block_hashes
+        start, end = (num_hashes - 1) * self.hash_block_size, num_hashes * self.hash_block_size
+        # Past the first block, only the request's last multimodal item can reach here.
+        keys, _ = generate_block_hash_extra_keys(request, start, end, -1 if start else 0)
+        lora = request.lora_request
+        self.kv_event_queue.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(hashes[num_hashes - 1],
+                                                   self._int_event_hashes)],
+            parent_block_hash=(maybe_convert_block_hash(hashes[num_hashes - 2],
+                                                        self._int_event_hashes)
+                               if num_hashes > 1 else None),
+            token_ids=list(request.all_token_ids[start:end]),
+            block_size=end - start,
+            lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU,
+            lora_name=lora.name if lora else None,
+            extra_keys=[keys],
+            group_idx=group_id,
+        ))
 
     def _hashes_at_block_size(self, request: Request, block_size: int) -> Sequence[BlockHash]:
         if block_size == self.hash_block_size:
@@ -218,19 +335,23 @@ class BlockPool:
         return blocks
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Drop the block's hash from the index; True if it was indexed."""
-        key = block.block_hash
-        if key is None:
-            return False
+        """Drop the block's hash and its partial entries from the index, one
+        ``BlockRemoved`` per key, its hash first; True if any key was indexed."""
+        keys = [] if block.block_hash is None else [block.block_hash]
+        keys += self.cached_block_hashes_by_block.pop(block.block_id, [])
         block.reset_hash()
-        if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
-            return False
+        removed = [key for key in keys
+                   if self.cached_block_hash_to_block.pop(key, block.block_id) is not None]
+        for key in removed:
+            self._emit_block_removed(key)
+        return bool(removed)
+
+    def _emit_block_removed(self, key: BlockHashWithGroupId) -> None:
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(
                 block_hashes=[maybe_convert_block_hash(get_block_hash(key),
                                                        self._int_event_hashes)],
                 medium=MEDIUM_GPU, group_idx=get_group_id(key)))
-        return True
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit).
@@ -288,6 +409,7 @@ class BlockPool:
         if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
         if self.enable_kv_cache_events:

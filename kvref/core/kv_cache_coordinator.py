@@ -10,13 +10,27 @@ for prefix caching, finds the longest hit *every* group can serve:
   window, + Mamba, ...); the hit is a fixed point, see its docstring.
 
 ``get_kv_cache_coordinator`` picks one.
+
+Every coordinator also holds the *prefix-cache retention interval*
+(``retention_interval``, vLLM's ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``) and
+hands it to each manager's ``cache_blocks``. Unset (``None``, the default),
+window and Mamba groups cache every block a hit could end on. Set, they cache
+one such block (a window's tail, a Mamba state) per ``retention_interval``
+tokens, or none for ``0``, plus the one at the prompt's replay boundary; full
+attention ignores it. Fewer cached blocks, fewer hit lengths::
+
+    block size 16, window 16, 256-token prompt     cached window blocks
+    unset                                          0 .. 15
+    retention_interval=64                          3, 7, 11, 14, 15
+    retention_interval=0                           14
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from kvref.core.block_pool import BlockPool
 from kvref.core.kv_cache_utils import BlockHash, BlockHashListWithBlockSize, KVCacheBlock
@@ -30,19 +44,69 @@ from kvref.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
 )
 from kvref.request import Request
 
 HitBlocks = tuple[list[KVCacheBlock], ...]
 
+RETENTION_INTERVAL_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+
+
+def retention_interval_from_env() -> int | None:
+    """``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` as vLLM's ``envs`` reads it: an
+    int, or ``None`` when the variable is unset. Read when a coordinator is
+    built (vLLM's tests set it with ``monkeypatch.setenv`` before that)."""
+    raw = os.environ.get(RETENTION_INTERVAL_ENV)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{RETENTION_INTERVAL_ENV} must be an integer number of "
+                         f"tokens, got {raw!r}") from None
+
+
+def _validate_prefix_cache_retention_interval(retention_interval: int | None,
+                                              scheduler_block_size: int,
+                                              kv_cache_config: KVCacheConfig,
+                                              source: str = RETENTION_INTERVAL_ENV) -> None:
+    """Reject an interval that would do nothing or not land on hit boundaries.
+
+    ``source`` names the setting in the message (the variable, or the keyword).
+    """
+    if retention_interval is None:
+        return
+    if isinstance(retention_interval, bool) or not isinstance(retention_interval, int):
+        raise ValueError(f"{source} must be an int or None, got {retention_interval!r}")
+    if not any(isinstance(g.kv_cache_spec, (SlidingWindowSpec, MambaSpec))
+               for g in kv_cache_config.kv_cache_groups):
+        raise ValueError(f"{source} is set ({retention_interval}) but no KV cache group "
+                         "is sliding-window or Mamba, the only kinds it thins out; "
+                         "unset it")
+    # Hits are multiples of scheduler_block_size; a tail between two of them
+    # could never be hit. A negative multiple passes the modulo test, hence both.
+    if retention_interval < 0 or retention_interval % scheduler_block_size != 0:
+        raise ValueError(f"{source} ({retention_interval}) must be non-negative and a "
+                         f"multiple of scheduler_block_size ({scheduler_block_size})")
+
 
 class KVCacheCoordinator(ABC):
-    """Holds the pool and the managers; the calls every coordinator shares."""
+    """Holds the pool and the managers; the calls every coordinator shares.
+
+    ``retention_interval`` (keyword, see the module docstring): ``"env"``, the
+    default, reads ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` as vLLM does; an
+    int or ``None`` sets it explicitly (``None``: unset, dense caching). Either
+    way it is checked here: it needs a sliding-window or Mamba group and must
+    be a non-negative multiple of ``scheduler_block_size``.
+    """
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
                  max_num_batched_tokens: int, use_eagle: bool, enable_caching: bool,
                  enable_kv_cache_events: bool, scheduler_block_size: int,
-                 hash_block_size: int) -> None:
+                 hash_block_size: int, *,
+                 retention_interval: int | None | Literal["env"] = "env") -> None:
         groups = kv_cache_config.kv_cache_groups
         if scheduler_block_size <= 0 or hash_block_size <= 0:
             raise ValueError(f"scheduler_block_size ({scheduler_block_size}) and "
@@ -73,6 +137,15 @@ class KVCacheCoordinator(ABC):
                 block_pool=self.block_pool, enable_caching=enable_caching,
                 kv_cache_group_id=i, scheduler_block_size=scheduler_block_size)
             for i, group in enumerate(groups))
+        if retention_interval == "env":
+            self.retention_interval = retention_interval_from_env()
+            source = RETENTION_INTERVAL_ENV
+        else:
+            self.retention_interval = retention_interval
+            source = "retention_interval"
+        _validate_prefix_cache_retention_interval(self.retention_interval,
+                                                  scheduler_block_size, kv_cache_config,
+                                                  source)
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
@@ -128,7 +201,8 @@ class KVCacheCoordinator(ABC):
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         for manager in self.single_type_managers:
-            manager.cache_blocks(request, num_computed_tokens)
+            manager.cache_blocks(request, num_computed_tokens,
+                                 retention_interval=self.retention_interval)
 
     def free(self, request_id: str) -> None:
         """Free group by group, each group's blocks tail first."""
@@ -168,10 +242,11 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
                  max_num_batched_tokens: int, use_eagle: bool, enable_kv_cache_events: bool,
-                 scheduler_block_size: int, hash_block_size: int) -> None:
+                 scheduler_block_size: int, hash_block_size: int, *,
+                 retention_interval: int | None | Literal["env"] = "env") -> None:
         super().__init__(kv_cache_config, max_model_len, max_num_batched_tokens, use_eagle,
                          False, enable_kv_cache_events, scheduler_block_size,
-                         hash_block_size)
+                         hash_block_size, retention_interval=retention_interval)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * len(self.single_type_managers)
@@ -298,13 +373,15 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache up to the last ``scheduler_block_size`` boundary only: hits
         never end elsewhere. EAGLE groups cache one block further, since they
-        look one block past a boundary and then drop it."""
+        look one block past a boundary and then drop it. The retention interval
+        goes along unchanged: a manager needs both it and the fine alignment."""
         aligned = num_computed_tokens // self.scheduler_block_size * self.scheduler_block_size
         for manager in self.single_type_managers:
             num_tokens = aligned
             if manager.use_eagle and aligned > 0:
                 num_tokens = min(num_computed_tokens, aligned + manager.block_size)
-            manager.cache_blocks(request, num_tokens)
+            manager.cache_blocks(request, num_tokens,
+                                 retention_interval=self.retention_interval)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int]:
@@ -385,13 +462,17 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
                              max_num_batched_tokens: int, use_eagle: bool,
                              enable_caching: bool, enable_kv_cache_events: bool,
-                             scheduler_block_size: int, hash_block_size: int
+                             scheduler_block_size: int, hash_block_size: int, *,
+                             retention_interval: int | None | Literal["env"] = "env"
                              ) -> KVCacheCoordinator:
-    """No caching -> no-prefix-cache coordinator; one group -> unitary; else hybrid."""
+    """No caching -> no-prefix-cache coordinator; one group -> unitary; else hybrid.
+    ``retention_interval``: as ``KVCacheCoordinator`` takes it (``"env"``: read
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``)."""
     common = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, use_eagle=use_eagle,
                   enable_kv_cache_events=enable_kv_cache_events,
-                  scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
+                  scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
+                  retention_interval=retention_interval)
     if not enable_caching:
         return KVCacheCoordinatorNoPrefixCache(**common)
     if any(isinstance(g.kv_cache_spec, CrossAttentionSpec)
@@ -405,5 +486,6 @@ def get_kv_cache_coordinator(kv_cache_config: KVCacheConfig, max_model_len: int,
 
 __all__ = [
     "HybridKVCacheCoordinator", "KVCacheCoordinator", "KVCacheCoordinatorNoPrefixCache",
-    "SpecGroup", "UnitaryKVCacheCoordinator", "get_kv_cache_coordinator",
+    "RETENTION_INTERVAL_ENV", "SpecGroup", "UnitaryKVCacheCoordinator",
+    "get_kv_cache_coordinator", "retention_interval_from_env",
 ]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kvref.core.kv_cache_coordinator import get_kv_cache_coordinator
 from kvref.kv_cache_interface import (
@@ -116,6 +117,9 @@ class KVCacheManager:
         enable_kv_cache_events: queue cache events for ``take_events``.
         watermark: fraction of the pool kept free when admitting waiting or
             preempted requests, so new admissions do not force preemptions.
+        retention_interval: the prefix-cache retention interval
+            (``kvref.core.kv_cache_coordinator``); ``"env"`` reads
+            ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` as vLLM does, ``None`` is unset.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,
@@ -124,7 +128,8 @@ class KVCacheManager:
                  use_eagle: bool = False, log_stats: bool = False,
                  enable_kv_cache_events: bool = False, dcp_world_size: int = 1,
                  pcp_world_size: int = 1, metrics_collector: object = None,
-                 watermark: float = 0.0) -> None:
+                 watermark: float = 0.0,
+                 retention_interval: int | None | Literal["env"] = "env") -> None:
         if dcp_world_size != 1 or pcp_world_size != 1:
             raise ValueError("kvref does not model context parallelism: dcp_world_size "
                              f"and pcp_world_size must be 1, got {dcp_world_size} and "
@@ -145,7 +150,8 @@ class KVCacheManager:
             kv_cache_config, max_model_len,
             max_model_len if max_num_batched_tokens is None else max_num_batched_tokens,
             use_eagle, enable_caching, enable_kv_cache_events,
-            scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
+            scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
+            retention_interval=retention_interval)
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.block_pool = self.coordinator.block_pool

@@ -130,6 +130,9 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     _block_hash: BlockHashWithGroupId | None = None
+    # Prefix length the hash covers: a block boundary for a full block, a
+    # point inside the block for a partial entry (``BlockPool.cache_partial_block``).
+    _block_hash_num_tokens: int | None = None
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     # The placeholder block 0: stands in for blocks a request no longer needs.
@@ -139,14 +142,21 @@ class KVCacheBlock:
     def block_hash(self) -> BlockHashWithGroupId | None:
         return self._block_hash
 
-    def set_block_hash(self, block_hash: BlockHashWithGroupId) -> None:
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._block_hash_num_tokens
+
+    def set_block_hash(self, block_hash: BlockHashWithGroupId,
+                       num_tokens: int | None = None) -> None:
         if self._block_hash is not None:
             raise RuntimeError(f"block {self.block_id} is already cached; "
                                "reset its hash before caching it again")
         self._block_hash = block_hash
+        self._block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
         self._block_hash = None
+        self._block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         # Ids, not blocks, for the links: printing a block must not walk the queue.

@@ -198,14 +198,23 @@ class SingleTypeKVCacheManager:
 
     # -- caching --------------------------------------------------------------
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Cache the request's blocks that ``num_tokens`` tokens fill completely."""
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None) -> None:
+        """Cache the request's blocks that ``num_tokens`` tokens fill completely.
+
+        ``retention_interval`` is the coordinator's prefix-cache retention
+        interval (``None``: unset); only window and Mamba groups act on it, by
+        caching fewer blocks (``reachable_block_mask``).
+        """
         num_cached = self.num_cached_block.get(request.request_id, 0)
         num_full = num_tokens // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.reachable_block_mask(num_cached, num_full, self.scheduler_block_size,
-                                         self.kv_cache_spec, self.use_eagle)
+        mask = self.reachable_block_mask(
+            start_block=num_cached, end_block=num_full,
+            alignment_tokens=self.scheduler_block_size, kv_cache_spec=self.kv_cache_spec,
+            use_eagle=self.use_eagle, retention_interval=retention_interval,
+            num_prompt_tokens=request.num_prompt_tokens)
         self.block_pool.cache_full_blocks(
             request=request, blocks=self.req_to_blocks[request.request_id],
             num_cached_blocks=num_cached, num_full_blocks=num_full,
@@ -215,9 +224,13 @@ class SingleTypeKVCacheManager:
 
     @classmethod
     def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int,
-                             kv_cache_spec: KVCacheSpec, use_eagle: bool) -> list[bool] | None:
-        """Which of ``blocks[start_block:end_block]`` a future hit could use;
-        ``None`` means all of them (the default)."""
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool,
+                             retention_interval: int | None = None,
+                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+        """Which of ``blocks[start_block:end_block]`` to cache: the ones a future
+        hit could use (and, with a retention interval, is meant to keep).
+        ``None`` means all of them, the answer for every type that reads the
+        whole prefix."""
         return None
 
     # -- release ---------------------------------------------------------------
@@ -237,14 +250,22 @@ class SingleTypeKVCacheManager:
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
             return
-        self._remove_blocks_in_range(request_id, 0, num_skipped_tokens // self.block_size)
+        # NOTE: reading the table gives a request without one an empty table, as
+        # in vLLM; it then counts in get_num_common_prefix_blocks' request total.
+        blocks = self.req_to_blocks[request_id]
+        self._remove_blocks_in_range(request_id, 0,
+                                     min(num_skipped_tokens // self.block_size, len(blocks)))
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int,
                                 last_block: int) -> None:
         """Null out ``blocks[first_block:last_block]`` from right to left,
         stopping at the first null block (everything before it was nulled by an
         earlier call). The range may run past the allocated blocks (skipped
-        tokens can include external ones): it is cut at the table's end."""
+        tokens can include external ones): it is cut at the table's end. A
+        request without a table has nothing to free and is given none (R-SWA's
+        gap call on a request whose allocation failed leaves no trace, as in vLLM)."""
+        if request_id not in self.req_to_blocks:
+            return
         blocks = self.req_to_blocks[request_id]
         freed = []
         for i in range(min(last_block, len(blocks)) - 1, first_block - 1, -1):
@@ -465,24 +486,46 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     @classmethod
     def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int,
-                             kv_cache_spec: KVCacheSpec, use_eagle: bool) -> list[bool] | None:
-        """Cache only the blocks a hit can end on.
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool,
+                             retention_interval: int | None = None,
+                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+        """Cache only the blocks a hit can end on ("tails").
 
-        Hits are aligned to ``alignment_tokens``, and a hit reads just the
-        ``need`` blocks before its end. With alignment 32, block size 8 and
-        need 2, a hit ends every 4 blocks, so blocks 2, 3, 6, 7, ... are
-        reachable and 0, 1, 4, 5, ... would only clutter the index. With EAGLE
-        every run is one block further right.
+        A hit reads just the ``need`` blocks before its end, and ends on a
+        boundary of the *segment*: every ``alignment_tokens`` by default. With
+        alignment 32, block size 8 and need 2, a hit ends every 4 blocks, so
+        blocks 2, 3, 6, 7, ... are tails and 0, 1, 4, 5, ... would only clutter
+        the index. With EAGLE every run is one block further right.
+
+        A retention interval keeps fewer tails: the segment becomes
+        ``retention_interval`` tokens (0: no segment tails at all), plus the
+        *replay tail*, the one ending at the last aligned boundary before the
+        prompt's last token. A request repeating the prompt hits exactly
+        there, since a hit stops short of the last token to compute its
+        logits. Block size 16, need 1, interval 64, a 256-token prompt::
+
+            segment tails   3, 7, 11, 15     (every 64 tokens)
+            replay tail     14               (ends at 240 = 255 // 16 * 16)
+            interval 0      14 only;   unset: all 16 (need 1 = per segment)
         """
         block_size = kv_cache_spec.block_size
         need = cls.num_contiguous_blocks_for_hit(kv_cache_spec.sliding_window, block_size,
                                               use_eagle)
-        per_segment = alignment_tokens // block_size
-        if need >= per_segment:
-            return None
         shift = 1 if use_eagle else 0
-        return [i >= shift and (i - shift) % per_segment >= per_segment - need
-                for i in range(start_block, end_block)]
+        segment = alignment_tokens if retention_interval is None else retention_interval
+        mask = [False] * (end_block - start_block)
+        if segment > 0:
+            per_segment = segment // block_size
+            if need >= per_segment:
+                return None  # every block is some boundary's tail
+            mask = [i >= shift and (i - shift) % per_segment >= per_segment - need
+                    for i in range(start_block, end_block)]
+        if retention_interval is not None and num_prompt_tokens is not None:
+            replay_end = (num_prompt_tokens - 1) // alignment_tokens * alignment_tokens
+            tail_end = replay_end // block_size + shift
+            for i in range(max(start_block, tail_end - need), min(end_block, tail_end)):
+                mask[i - start_block] = True
+        return mask
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
@@ -548,7 +591,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
                                           num_external_computed_tokens: int) -> None:
         return  # encoder states are not loaded from a connector
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None) -> None:
         raise ValueError("cross-attention blocks are never cached; "
                          "this needs enable_caching=False")
 
@@ -723,10 +767,43 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.block_pool.free_blocks([blocks[last]])
                 blocks[last] = self._null_block
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    @classmethod
+    def reachable_block_mask(cls, start_block: int, end_block: int, alignment_tokens: int,
+                             kv_cache_spec: KVCacheSpec, use_eagle: bool,
+                             retention_interval: int | None = None,
+                             num_prompt_tokens: int | None = None) -> list[bool] | None:
+        """Which state snapshots to cache: all (``None``) unless a retention
+        interval is set. Then one state per ``retention_interval`` tokens (none
+        for 0), plus the state at the replay boundary (the last aligned
+        boundary before the prompt's last token, where a repeat of the prompt
+        hits). Block ``i`` holds the state after token ``(i + 1) * block_size``.
+
+        Block size 16, interval 64, a 256-token prompt: states 3, 7, 11, 15
+        (tokens 64, 128, 192, 256) and 14 (token 240, the replay boundary);
+        interval 0: state 14 only; an interval of one block: all of them.
+        """
+        if retention_interval is None:
+            return None
+        block_size = kv_cache_spec.block_size
+        mask = [False] * (end_block - start_block)
+        if retention_interval > 0:
+            per_segment = retention_interval // block_size
+            if per_segment <= 1:
+                return None  # every block ends a segment
+            mask = [(i + 1) % per_segment == 0 for i in range(start_block, end_block)]
+        if num_prompt_tokens is not None:
+            replay_end = (num_prompt_tokens - 1) // alignment_tokens * alignment_tokens
+            state = replay_end // block_size - 1
+            if start_block <= state < end_block:
+                mask[state - start_block] = True
+        return mask
+
+    def cache_blocks(self, request: Request, num_tokens: int,
+                     retention_interval: int | None = None) -> None:
         before = self.num_cached_block.get(request.request_id, 0)
-        super().cache_blocks(request, num_tokens)
+        super().cache_blocks(request, num_tokens, retention_interval=retention_interval)
         after = self.num_cached_block.get(request.request_id, 0)
+        # Skipped states (null, or left out by the retention mask) carry no hash.
         for block in self.req_to_blocks[request.request_id][before:after]:
             if not block.is_null and block.block_hash is not None:
                 self.cached_blocks_this_step.add(block.block_hash)

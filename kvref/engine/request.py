@@ -18,6 +18,7 @@ it in the request's ``PrefillStats`` and reports it with the first output)::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvref import Request, RequestStatus
 from kvref.engine.sampling_params import SamplingParams
@@ -29,10 +30,12 @@ class EngineRequest(Request):
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, *,
                  eos_token_id: int | None = None,
-                 block_hasher: Callable[[Request], list[bytes]] | None = None) -> None:
+                 block_hasher: Callable[[Request], list[bytes]] | None = None,
+                 prompt_embeds: Any = None) -> None:
         self.sampling_params = sampling_params or SamplingParams()
         super().__init__(request_id, prompt_token_ids, block_hasher=block_hasher,
-                         max_tokens=self.sampling_params.max_tokens)
+                         max_tokens=self.sampling_params.max_tokens,
+                         prompt_embeds=prompt_embeds)
         self.eos_token_id = eos_token_id
         self.output_token_ids: list[int] = []
         # Prompt tokens the prefix cache served at the last admission before
@@ -107,3 +110,16 @@ def check_stop(request: EngineRequest, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
+
+
+def prompt_embeds_from_rows(rows: list[list[float]], dtype: str) -> Any:
+    """Prompt embeddings ``[num_prompt_tokens, hidden_size]`` from plain rows, as
+    a tensor of the dtype named ``dtype`` (``"float32"``). Lives on the engine
+    side because it needs torch; the KV layer only hashes the tensor's bytes.
+    ``ValueError`` if ``dtype`` names no torch dtype."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"prompt_embeds dtype {dtype!r} is not a torch dtype name")
+    return torch.tensor(rows, dtype=torch_dtype)

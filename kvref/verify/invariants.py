@@ -32,8 +32,8 @@ v0.25.1 share (``blocks``, ``null_block``, ``free_block_queue`` with its
 ``req_to_blocks``, ``num_cached_block``, ``kv_cache_group_id``), so it accepts a
 real ``vllm.v1.core.kv_cache_manager.KVCacheManager`` or ``BlockPool``. Where
 vLLM differs it is handled: an index entry may be a single block or a dict of
-blocks, a block may carry extra partial-prefix keys in
-``pool.cached_block_hashes_by_block``, and blocks are compared by identity,
+blocks, a block's extra partial-prefix keys in
+``pool.cached_block_hashes_by_block`` are a set (kvref: a list), and blocks are compared by identity,
 never with ``==`` or ``hash()`` (vLLM's ``KVCacheBlock`` is an ``eq=True``
 dataclass, so two distinct blocks can compare equal and none is hashable).
 
@@ -61,12 +61,14 @@ CHECKED_INVARIANTS: dict[str, str] = {
     "INV-QUEUE-2": "num_free_blocks equals the number of blocks on the chain",
     "INV-QUEUE-3": "every queued node is a block of this pool",
     "INV-QUEUE-4": "every queued block has ref_cnt == 0",
-    "INV-QUEUE-5": "every non-null block with ref_cnt == 0 is in the queue",
+    "INV-QUEUE-5": "every non-null block with ref_cnt == 0 is in the queue (or a sink block)",
     "INV-QUEUE-6": "a block outside the queue has no queue links",
     "INV-HASH-1": "every index entry is a pool block whose hash is that key",
     "INV-HASH-2": "every hashed block is indexed under its hash",
     "INV-HASH-3": "no index key maps to an empty set of blocks",
     "INV-HASH-4": "with caching disabled, no block is hashed and the index is empty",
+    "INV-HASH-5": "a block's extra (partial-entry) keys are a non-empty collection of "
+                  "distinct keys, none its own hash, of a pool block",
     "INV-MGR-1": "a block's ref_cnt equals the number of table slots (and popped lists) holding it",
     "INV-MGR-2": "every group's manager uses the coordinator's pool",
     "INV-MGR-3": "every table entry is a block of the pool (or the pool's null block)",
@@ -115,11 +117,15 @@ def check(obj: Any, popped_blocks: Iterable[Iterable[Any]] = ()) -> None:
 # The pool: blocks, free queue, prefix-cache index
 
 
-def check_block_pool(pool: Any) -> None:
-    """INV-POOL-*, INV-QUEUE-*, INV-HASH-*: the pool on its own (no requests)."""
+def check_block_pool(pool: Any, sink_blocks: Iterable[Any] = ()) -> None:
+    """INV-POOL-*, INV-QUEUE-*, INV-HASH-*: the pool on its own (no requests).
+
+    ``sink_blocks``: blocks a sink-attention manager took off the queue without
+    a reference when it was built; only the manager knows them, so the pool
+    alone would call them leaked (``check_kv_cache_manager`` passes them)."""
     _check_blocks(pool)
     queued = _check_free_queue(pool)
-    _check_queue_membership(pool, queued)
+    _check_queue_membership(pool, queued, {id(b): b for b in sink_blocks})
     _check_hash_index(pool)
     usage = pool.get_usage()
     if not 0.0 <= usage <= 1.0:
@@ -181,7 +187,7 @@ def _check_free_queue(pool: Any) -> dict[int, Any]:
     return queued
 
 
-def _check_queue_membership(pool: Any, queued: dict[int, Any]) -> None:
+def _check_queue_membership(pool: Any, queued: dict[int, Any], sinks: dict[int, Any]) -> None:
     blocks = pool.blocks
     for block in queued.values():
         bid = block.block_id
@@ -196,7 +202,7 @@ def _check_queue_membership(pool: Any, queued: dict[int, Any]) -> None:
     for block in blocks[1:]:
         if id(block) in queued:
             continue
-        if block.ref_cnt == 0:
+        if block.ref_cnt == 0 and id(block) not in sinks:
             _fail("INV-QUEUE-5", f"block {block.block_id} has ref_cnt 0 but is not in "
                                  "the free queue (leaked)", block.block_id)
         if block.prev_free_block is not None or block.next_free_block is not None:
@@ -221,8 +227,9 @@ def _is_indexed(index: dict, key: Any, block: Any) -> bool:
 
 def _check_hash_index(pool: Any) -> None:
     index = pool.cached_block_hash_to_block._cache
-    # vLLM only: keys of partial-prefix entries a block holds besides its hash.
+    # Keys of partial-prefix entries a block holds besides its hash.
     extra_keys: dict[int, Any] = getattr(pool, "cached_block_hashes_by_block", None) or {}
+    _check_extra_keys(pool, extra_keys)
     caching = pool.enable_caching
     blocks = pool.blocks
     for key, value in index.items():
@@ -260,6 +267,20 @@ def _check_hash_index(pool: Any) -> None:
             if not _is_indexed(index, key, block):
                 _fail("INV-HASH-2", f"block {bid} has hash {_short(key)} but the index "
                                     "does not map that key to it", bid)
+
+
+def _check_extra_keys(pool: Any, extra_keys: dict[int, Any]) -> None:
+    for bid, keys in extra_keys.items():
+        if not (isinstance(bid, int) and 0 < bid < len(pool.blocks)):
+            _fail("INV-HASH-5", f"cached_block_hashes_by_block names block {bid!r}, not a "
+                                "non-null block of this pool")
+        keys = list(keys)
+        if not keys:
+            _fail("INV-HASH-5", f"block {bid} has an empty list of extra keys", bid)
+        if len(set(keys)) != len(keys):
+            _fail("INV-HASH-5", f"block {bid} lists an extra key twice", bid)
+        if pool.blocks[bid].block_hash in keys:
+            _fail("INV-HASH-5", f"block {bid} lists its own hash as an extra key", bid)
 
 
 def _short(key: Any) -> str:
@@ -328,7 +349,7 @@ def check_kv_cache_manager(manager: Any, popped_blocks: Iterable[Iterable[Any]] 
     for g, group_manager in enumerate(managers):
         if group_manager.block_pool is not pool:
             _fail("INV-MGR-2", f"group {g}'s manager uses a different block pool")
-    check_block_pool(pool)
+    check_block_pool(pool, [b for m in managers for b in getattr(m, "sink_blocks", ())])
 
     holders: dict[int, list[str]] = {}  # block id -> who holds it, one entry per slot
     group_of: dict[int, int] = {}

@@ -128,6 +128,8 @@ class _EventLog:
                 "waiting": [r.request_id for r in self.scheduler.waiting]}
 
     def _schedule(self, schedule):
+        # tools/record_vllm_scheduler.py observes vLLM with the same fields;
+        # it keeps its own copy because the recorder must not import kvref.
         sched = self.scheduler
         out = schedule()
         manager = sched.kv_cache_manager

@@ -38,6 +38,8 @@ from kvref.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 from kvref.request import Request
@@ -71,9 +73,22 @@ def group_header(spec) -> dict:
         return {"kind": "mamba", "block_size": spec.block_size,
                 "mamba_cache_mode": spec.mamba_cache_mode,
                 "num_speculative_blocks": spec.num_speculative_blocks}
+    if isinstance(spec, RSWASpec):
+        return {"kind": "rswa", "block_size": spec.block_size,
+                "rswa_window": spec.rswa_window, **heads}
+    if isinstance(spec, SinkFullAttentionSpec):
+        return {"kind": "sink_full", "block_size": spec.block_size,
+                "sink_len": spec.sink_len, **heads}
     if isinstance(spec, FullAttentionSpec):
         return {"kind": "full", "block_size": spec.block_size, **heads}
     raise TypeError(f"no kvtrace group kind for {type(spec).__name__}")
+
+
+def prompt_embeds_json(embeds) -> dict:
+    """A ``[num_prompt_tokens, hidden_size]`` tensor as a trace writes it
+    (``trace_replay.prompt_embeds_tensor`` reads it back, bit for bit for
+    values the JSON floats hold exactly)."""
+    return {"dtype": str(embeds.dtype).removeprefix("torch."), "rows": embeds.tolist()}
 
 
 def make_header(config: KVCacheConfig, *, max_model_len: int, scheduler_block_size: int,
@@ -181,6 +196,8 @@ class RecordingKVCacheManager:
                 op["mm_features"] = [{"identifier": f.identifier, "offset": f.mm_position.offset,
                                       "length": f.mm_position.length, "modality": f.modality}
                                      for f in request.mm_features]
+            if request.prompt_embeds is not None:
+                op["prompt_embeds"] = prompt_embeds_json(request.prompt_embeds)
             self._emit(op)
             known = self._known[rid] = {"obj": request, "num_tokens": request.num_prompt_tokens,
                                         "num_computed_tokens": 0, "status": "WAITING",

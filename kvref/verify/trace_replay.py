@@ -32,6 +32,8 @@ from kvref.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 from kvref.core.kv_cache_manager import KVCacheManager
@@ -164,6 +166,10 @@ def _spec(group: dict):
     heads = dict(num_kv_heads=group.get("num_kv_heads", 1), head_size=group.get("head_size", 1))
     if kind == "full":
         return FullAttentionSpec(block_size, **heads)
+    if kind == "rswa":
+        return RSWASpec(block_size, rswa_window=group["rswa_window"], **heads)
+    if kind == "sink_full":
+        return SinkFullAttentionSpec(block_size, sink_len=group["sink_len"], **heads)
     if kind == "sliding_window":
         return SlidingWindowSpec(block_size, group["sliding_window"], **heads)
     if kind == "chunked_local":
@@ -198,19 +204,63 @@ def seeded_none_hash(utils: Any, hash_fn: Any, seed: str | None) -> bytes:
     return utils.NONE_HASH
 
 
+def prompt_embeds_tensor(op: dict):
+    """The ``prompt_embeds`` of an ``add_request`` op as a tensor
+    ``[num_prompt_tokens, hidden_size]``, or None when the op has none.
+
+    A trace writes them as ``{"dtype": "float32", "rows": [[...], ...]}``, one
+    row per prompt position; the bytes of each block's rows join its hash.
+    Only such traces need torch (the tensor is made on the engine side).
+    """
+    embeds = op.get("prompt_embeds")
+    if embeds is None:
+        return None
+    rows = embeds.get("rows")
+    if (not isinstance(rows, list) or len(rows) != len(op["prompt"])
+            or len({len(row) for row in rows}) != 1):
+        raise MalformedTrace(f"request {op.get('req')!r}: prompt_embeds needs one row of "
+                             f"equal length per prompt token ({len(op['prompt'])})")
+    from kvref.engine.request import prompt_embeds_from_rows
+
+    try:
+        return prompt_embeds_from_rows(rows, embeds.get("dtype"))
+    except ValueError as exc:
+        raise MalformedTrace(f"request {op.get('req')!r}: {exc}") from None
+
+
 class TraceReplayer:
-    """One kvref manager built from a trace header, and the ops run against it."""
+    """One kvref manager built from a trace header, and the ops run against it.
+
+    What it builds (``utils``, ``hash_functions``, ``build_manager``,
+    ``make_request``) is all that ties it to kvref: ``tools/record_vllm_traces.py``
+    overrides those four to run the same ops, observed the same way, on vLLM.
+    """
+
+    utils: Any = kv_cache_utils                 # the module whose NONE_HASH seeds the chain
+    hash_functions: dict = HASH_FUNCTIONS
 
     def __init__(self, header: dict) -> None:
         hashing = header["hash"]
-        self.hash_fn = HASH_FUNCTIONS[hashing["algo"]]
-        self.none_hash = seeded_none_hash(kv_cache_utils, self.hash_fn,
+        self.hash_fn = self.hash_functions[hashing["algo"]]
+        self.none_hash = seeded_none_hash(self.utils, self.hash_fn,
                                           hashing.get("none_hash_seed"))
+        self.manager = self.build_manager(header)
+        m = header["manager"]
+        use_hasher = hashing.get("block_hasher", m["enable_caching"])
+        self.block_hasher = (self.utils.get_request_block_hasher(m["hash_block_size"],
+                                                                 self.hash_fn)
+                             if use_hasher else None)
+        self.requests: dict[str, Any] = {}
+        self.last_hit: dict[str, Any] = {}      # the KVCacheBlocks object itself
+        self.handles: dict[str, list] = {}
+
+    def build_manager(self, header: dict) -> KVCacheManager:
+        """The manager of the header: groups, then ``KVCacheManager(config, **manager)``."""
         groups = [KVCacheGroupSpec(g.get("layer_names", [f"layer.{i}"]), _spec(g),
                                    is_eagle_group=g.get("is_eagle_group", False))
                   for i, g in enumerate(header["groups"])]
         m = header["manager"]
-        self.manager = KVCacheManager(
+        return KVCacheManager(
             KVCacheConfig(header["num_blocks"], groups),
             max_model_len=m["max_model_len"], scheduler_block_size=m["scheduler_block_size"],
             hash_block_size=m["hash_block_size"],
@@ -218,14 +268,24 @@ class TraceReplayer:
             enable_caching=m["enable_caching"], use_eagle=m.get("use_eagle", False),
             log_stats=m.get("log_stats", False),
             enable_kv_cache_events=m.get("enable_kv_cache_events", False),
-            watermark=m.get("watermark", 0.0))
-        use_hasher = hashing.get("block_hasher", m["enable_caching"])
-        self.block_hasher = (kv_cache_utils.get_request_block_hasher(m["hash_block_size"],
-                                                                     self.hash_fn)
-                             if use_hasher else None)
-        self.requests: dict[str, Request] = {}
-        self.last_hit: dict[str, Any] = {}      # the KVCacheBlocks object itself
-        self.handles: dict[str, list] = {}
+            watermark=m.get("watermark", 0.0),
+            # Recorded with VLLM_PREFIX_CACHE_RETENTION_INTERVAL set to this
+            # (absent: unset); explicit, so the replaying shell's variable is ignored.
+            retention_interval=header.get("prefix_cache_retention_interval"))
+
+    def make_request(self, op: dict) -> Request:
+        """The ``Request`` of an ``add_request`` op."""
+        lora = op.get("lora")
+        features = [MultiModalFeatureSpec(f["identifier"],
+                                          PlaceholderRange(f["offset"], f["length"]),
+                                          f.get("modality", "image"))
+                    for f in op.get("mm_features") or []]
+        return Request(op["req"], list(op["prompt"]), block_hasher=self.block_hasher,
+                       lora_request=LoRARequest(lora["name"], lora["id"]) if lora else None,
+                       cache_salt=op.get("cache_salt"), mm_features=features or None,
+                       skip_reading_prefix_cache=bool(op.get("skip_reading_prefix_cache")),
+                       max_tokens=op.get("max_tokens"),
+                       prompt_embeds=prompt_embeds_tensor(op))
 
     def initial_observation(self) -> dict:
         return {"watermark_blocks": self.manager.watermark_blocks,
@@ -236,7 +296,7 @@ class TraceReplayer:
     def run(self, op: dict) -> dict:
         """Run one op; return ``{"ret"?, "raises"?, "state"}``."""
         # Another trace may have re-seeded the chain in between.
-        kv_cache_utils.NONE_HASH = self.none_hash
+        self.utils.NONE_HASH = self.none_hash
         handler = getattr(self, "_op_" + op["op"], None)
         if handler is None:
             raise MalformedTrace(f"unknown op {op['op']!r}")
@@ -263,16 +323,7 @@ class TraceReplayer:
     def _op_add_request(self, op):
         if op["req"] in self.requests:
             raise MalformedTrace(f"duplicate request {op['req']!r}")
-        lora = op.get("lora")
-        features = [MultiModalFeatureSpec(f["identifier"],
-                                          PlaceholderRange(f["offset"], f["length"]),
-                                          f.get("modality", "image"))
-                    for f in op.get("mm_features") or []]
-        req = Request(op["req"], list(op["prompt"]), block_hasher=self.block_hasher,
-                      lora_request=LoRARequest(lora["name"], lora["id"]) if lora else None,
-                      cache_salt=op.get("cache_salt"), mm_features=features or None,
-                      skip_reading_prefix_cache=bool(op.get("skip_reading_prefix_cache")),
-                      max_tokens=op.get("max_tokens"))
+        req = self.make_request(op)
         self.requests[op["req"]] = req
         return _request_digest(req)
 

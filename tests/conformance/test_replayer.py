@@ -3,7 +3,15 @@
 import copy
 from pathlib import Path
 
-from kvref.verify.trace_replay import first_difference, load_trace, replay
+import pytest
+
+from kvref.verify.trace_replay import (
+    MalformedTrace,
+    TraceReplayer,
+    first_difference,
+    load_trace,
+    replay,
+)
 
 TRACE = Path(__file__).parent / "traces" / "full" / "full-public-00001.json.gz"
 
@@ -60,3 +68,37 @@ def test_first_difference_is_strict_about_types_and_lengths():
     assert first_difference({"a": 1}, {"a": 1, "b": 2}) == (".b", "<missing>", 2)
     assert first_difference(0.5, 0.5 + 1e-12) is None
     assert first_difference(0.5, 0.51) == (".", 0.5, 0.51)
+
+
+def _header(groups, num_blocks=16):
+    return {"num_blocks": num_blocks, "groups": groups,
+            "manager": {"max_model_len": 64, "scheduler_block_size": 4,
+                        "hash_block_size": 4, "enable_caching": True},
+            "hash": {"algo": "sha256", "none_hash_seed": "0"}}
+
+
+def test_rswa_and_sink_group_kinds_build_their_managers():
+    rswa = TraceReplayer(_header([{"kind": "rswa", "block_size": 4, "rswa_window": 8}]))
+    (manager,) = rswa.manager.coordinator.single_type_managers
+    assert type(manager).__name__ == "RSWAManager" and manager.rswa_window == 8
+    sink = TraceReplayer(_header([{"kind": "sink_full", "block_size": 4, "sink_len": 8}]))
+    (manager,) = sink.manager.coordinator.single_type_managers
+    assert [b.block_id for b in manager.sink_blocks] == [1, 2]
+    assert sink.initial_observation()["num_free_blocks"] == 16 - 1 - 2
+
+
+def test_prompt_embeds_join_the_block_hash_and_must_match_the_prompt():
+    replayer = TraceReplayer(_header([{"kind": "full", "block_size": 4}]))
+    prompt = [11, 12, 13, 14]
+    plain = replayer.run({"op": "add_request", "req": "a", "prompt": prompt})["ret"]
+    embeds = {"dtype": "float32", "rows": [[1.0, 2.0]] * 4}
+    with_embeds = replayer.run({"op": "add_request", "req": "b", "prompt": prompt,
+                                "prompt_embeds": embeds})["ret"]
+    assert plain["num_block_hashes"] == with_embeds["num_block_hashes"] == 1
+    assert plain["last_block_hash"] != with_embeds["last_block_hash"]
+    with pytest.raises(MalformedTrace, match="one row"):
+        replayer.run({"op": "add_request", "req": "c", "prompt": prompt,
+                      "prompt_embeds": {"dtype": "float32", "rows": [[1.0]] * 3}})
+    with pytest.raises(MalformedTrace, match="dtype"):
+        replayer.run({"op": "add_request", "req": "d", "prompt": prompt,
+                      "prompt_embeds": {"dtype": "float99", "rows": [[1.0]] * 4}})

@@ -19,8 +19,8 @@ def test_every_config_class_has_traces():
     assert CONFIG_CLASSES == [
         "chunked_local", "cross_attention", "eagle", "full", "hybrid_diff_block_sizes",
         "hybrid_full_mamba", "hybrid_full_swa", "mamba_align", "mamba_all",
-        "no_caching", "swa"]
-    assert len(TRACES) == 220
+        "no_caching", "retention", "swa"]
+    assert len(TRACES) == 230
 
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.removesuffix(".json.gz"))
@@ -30,3 +30,27 @@ def test_trace_replays_identically(path):
     result = replay(trace, check_invariants=True)
     assert result.divergence is None, f"{path.name}: {result.divergence}"
     assert result.num_ops == len(trace["ops"])
+
+
+RETENTION_TRACES = sorted((TRACE_DIR / "retention").glob("*.json.gz"))
+
+
+@pytest.mark.parametrize("path", RETENTION_TRACES,
+                         ids=lambda p: p.name.removesuffix(".json.gz"))
+def test_retention_trace_needs_its_interval(path):
+    """Recorded with VLLM_PREFIX_CACHE_RETENTION_INTERVAL set: replayed as if
+    it were unset, kvref caches more blocks than vLLM did and diverges, so each
+    of these traces really exercises the interval."""
+    trace = load_trace(path)
+    assert isinstance(trace["header"]["prefix_cache_retention_interval"], int)
+    del trace["header"]["prefix_cache_retention_interval"]
+    assert replay(trace).divergence is not None
+
+
+def test_replay_ignores_the_shell_variable(monkeypatch):
+    """A trace without the header key was recorded with the variable unset;
+    the replayer says so explicitly, whatever the variable is here."""
+    monkeypatch.setenv("VLLM_PREFIX_CACHE_RETENTION_INTERVAL", "0")
+    dense = next(p for p in TRACES if "hybrid_full_swa-" in p.name
+                 and "retention" not in p.name)
+    assert replay(load_trace(dense)).divergence is None
