@@ -415,7 +415,7 @@ def run_traces_section(args, workers, results: dict, markdown: list[str]) -> Non
     for mode in modes:
         table = traces_table(results["traces"][mode], "vllm" in workers)
         title = (f"Recorded traces, mode `{mode}` ({TRACE_MODES[mode]}); ms per pass "
-                 "over a class's 20 traces, min / **median** / max; ratio = kvref "
+                 "over a class's traces, min / **median** / max; ratio = kvref "
                  "median / vLLM median")
         print(f"\n{title}\n{table}")
         markdown += ["", f"### {title}", "", table]

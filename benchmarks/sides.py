@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"  # vLLM reads the interval here
 MAX_TOKENS_DEFAULT = 1 << 20  # what the trace recorder gave requests without max_tokens
 
 
@@ -43,11 +44,12 @@ class KvrefSide:
         from kvref import RequestStatus
         from kvref.core import kv_cache_utils
         from kvref.request import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, Request
-        from kvref.verify.trace_replay import TraceReplayer
+        from kvref.verify.trace_replay import TraceReplayer, prompt_embeds_tensor
         self._utils = kv_cache_utils
         self._status = RequestStatus
         self._replayer = TraceReplayer
         self._types = (Request, LoRARequest, MultiModalFeatureSpec, PlaceholderRange)
+        self._prompt_embeds = prompt_embeds_tensor
 
     def from_header(self, header: dict) -> Built:
         replayer = self._replayer(header)  # manager, block hasher, seeded NONE_HASH
@@ -72,7 +74,7 @@ class KvrefSide:
             lora_request=LoRARequest(lora["name"], lora["id"]) if lora else None,
             cache_salt=op.get("cache_salt"), mm_features=features or None,
             skip_reading_prefix_cache=bool(op.get("skip_reading_prefix_cache")),
-            max_tokens=op.get("max_tokens"))
+            max_tokens=op.get("max_tokens"), prompt_embeds=self._prompt_embeds(op))
 
     def full_attention(self, num_blocks: int, block_size: int, max_model_len: int) -> Built:
         """A one-group full-attention manager with caching on (the scaling runs)."""
@@ -108,6 +110,7 @@ class VLLMSide:
         # (EngineCore calls this); without it every event hash re-reads os.environ.
         from vllm import envs
         envs.enable_envs_cache()
+        self._envs = envs
         self._torch_dtype = torch.float16
         self._kvi = kvi
         self._utils = kv_cache_utils
@@ -116,6 +119,10 @@ class VLLMSide:
         self._hash_fns = {"sha256": sha256, "sha256_cbor": sha256_cbor}
         self._types = (Request, SamplingParams, LoRARequest, MultiModalFeatureSpec,
                        PlaceholderRange)
+        # The same float tensor kvref's side gets (the trace's rows, read by
+        # kvref's reader: torch is what both Requests take).
+        from kvref.verify.trace_replay import prompt_embeds_tensor
+        self._prompt_embeds = prompt_embeds_tensor
 
     def _spec(self, group: dict):
         kvi, kind, bs = self._kvi, group["kind"], group["block_size"]
@@ -123,6 +130,10 @@ class VLLMSide:
                      head_size=group.get("head_size", 1), dtype=self._torch_dtype)
         if kind == "full":
             return kvi.FullAttentionSpec(**heads)
+        if kind == "rswa":
+            return kvi.RSWASpec(**heads, rswa_window=group["rswa_window"])
+        if kind == "sink_full":
+            return kvi.SinkFullAttentionSpec(**heads, sink_len=group["sink_len"])
         if kind == "sliding_window":
             return kvi.SlidingWindowSpec(**heads, sliding_window=group["sliding_window"])
         if kind == "chunked_local":
@@ -168,9 +179,21 @@ class VLLMSide:
                       log_stats=m.get("log_stats", False),
                       enable_kv_cache_events=m.get("enable_kv_cache_events", False),
                       watermark=m.get("watermark", 0.0))
-        return self._build(header["num_blocks"], groups, kwargs,
-                           self._hash_fns[hashing["algo"]], hashing.get("none_hash_seed"),
-                           hashing.get("block_hasher", m["enable_caching"]))
+        # vLLM's coordinator reads the retention interval from its environment
+        # once, when built: set it (or clear it) around the build only.
+        retention = header.get("prefix_cache_retention_interval")
+        self._envs.disable_envs_cache()
+        if retention is None:
+            os.environ.pop(RETENTION_ENV, None)
+        else:
+            os.environ[RETENTION_ENV] = str(retention)
+        try:
+            return self._build(header["num_blocks"], groups, kwargs,
+                               self._hash_fns[hashing["algo"]], hashing.get("none_hash_seed"),
+                               hashing.get("block_hasher", m["enable_caching"]))
+        finally:
+            os.environ.pop(RETENTION_ENV, None)
+            self._envs.enable_envs_cache()
 
     def _request_factory(self, block_hasher, op: dict) -> Callable:
         Request, SamplingParams, LoRARequest, MultiModalFeatureSpec, PlaceholderRange = \
@@ -190,7 +213,8 @@ class VLLMSide:
             sampling_params=params, pooling_params=None, mm_features=features or None,
             lora_request=(LoRARequest(lora_name=lora["name"], lora_int_id=lora["id"],
                                       lora_path=f"/loras/{lora['name']}") if lora else None),
-            cache_salt=op.get("cache_salt"), block_hasher=block_hasher)
+            cache_salt=op.get("cache_salt"), block_hasher=block_hasher,
+            prompt_embeds=self._prompt_embeds(op))
 
     def full_attention(self, num_blocks: int, block_size: int, max_model_len: int) -> Built:
         kvi = self._kvi

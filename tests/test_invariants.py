@@ -27,6 +27,7 @@ from kvref import (
     KVCacheManager,
     MambaSpec,
     Request,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
     get_request_block_hasher,
     init_none_hash,
@@ -238,6 +239,15 @@ def test_queue_5_an_unreferenced_block_is_queued_not_leaked():
     pool = manager.block_pool
     pool.free_block_queue.remove(pool.blocks[10])
     expect_violation(manager, "INV-QUEUE-5", 10)
+
+
+def test_queue_5_a_sink_managers_blocks_are_held_not_leaked():
+    manager = make_manager(SinkFullAttentionSpec(BLOCK, sink_len=2 * BLOCK))
+    (sink_manager,) = manager.coordinator.single_type_managers
+    assert [b.ref_cnt for b in sink_manager.sink_blocks] == [0, 0]  # off the queue, unreferenced
+    check(manager)
+    forgotten = sink_manager.sink_blocks.pop()
+    expect_violation(manager, "INV-QUEUE-5", forgotten.block_id)
 
 
 def test_queue_6_a_block_outside_the_queue_has_no_links():

@@ -250,14 +250,22 @@ class SingleTypeKVCacheManager:
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
             return
-        self._remove_blocks_in_range(request_id, 0, num_skipped_tokens // self.block_size)
+        # NOTE: reading the table gives a request without one an empty table, as
+        # in vLLM; it then counts in get_num_common_prefix_blocks' request total.
+        blocks = self.req_to_blocks[request_id]
+        self._remove_blocks_in_range(request_id, 0,
+                                     min(num_skipped_tokens // self.block_size, len(blocks)))
 
     def _remove_blocks_in_range(self, request_id: str, first_block: int,
                                 last_block: int) -> None:
         """Null out ``blocks[first_block:last_block]`` from right to left,
         stopping at the first null block (everything before it was nulled by an
         earlier call). The range may run past the allocated blocks (skipped
-        tokens can include external ones): it is cut at the table's end."""
+        tokens can include external ones): it is cut at the table's end. A
+        request without a table has nothing to free and is given none (R-SWA's
+        gap call on a request whose allocation failed leaves no trace, as in vLLM)."""
+        if request_id not in self.req_to_blocks:
+            return
         blocks = self.req_to_blocks[request_id]
         freed = []
         for i in range(min(last_block, len(blocks)) - 1, first_block - 1, -1):

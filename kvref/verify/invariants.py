@@ -61,7 +61,7 @@ CHECKED_INVARIANTS: dict[str, str] = {
     "INV-QUEUE-2": "num_free_blocks equals the number of blocks on the chain",
     "INV-QUEUE-3": "every queued node is a block of this pool",
     "INV-QUEUE-4": "every queued block has ref_cnt == 0",
-    "INV-QUEUE-5": "every non-null block with ref_cnt == 0 is in the queue",
+    "INV-QUEUE-5": "every non-null block with ref_cnt == 0 is in the queue (or a sink block)",
     "INV-QUEUE-6": "a block outside the queue has no queue links",
     "INV-HASH-1": "every index entry is a pool block whose hash is that key",
     "INV-HASH-2": "every hashed block is indexed under its hash",
@@ -117,11 +117,15 @@ def check(obj: Any, popped_blocks: Iterable[Iterable[Any]] = ()) -> None:
 # The pool: blocks, free queue, prefix-cache index
 
 
-def check_block_pool(pool: Any) -> None:
-    """INV-POOL-*, INV-QUEUE-*, INV-HASH-*: the pool on its own (no requests)."""
+def check_block_pool(pool: Any, sink_blocks: Iterable[Any] = ()) -> None:
+    """INV-POOL-*, INV-QUEUE-*, INV-HASH-*: the pool on its own (no requests).
+
+    ``sink_blocks``: blocks a sink-attention manager took off the queue without
+    a reference when it was built; only the manager knows them, so the pool
+    alone would call them leaked (``check_kv_cache_manager`` passes them)."""
     _check_blocks(pool)
     queued = _check_free_queue(pool)
-    _check_queue_membership(pool, queued)
+    _check_queue_membership(pool, queued, {id(b): b for b in sink_blocks})
     _check_hash_index(pool)
     usage = pool.get_usage()
     if not 0.0 <= usage <= 1.0:
@@ -183,7 +187,7 @@ def _check_free_queue(pool: Any) -> dict[int, Any]:
     return queued
 
 
-def _check_queue_membership(pool: Any, queued: dict[int, Any]) -> None:
+def _check_queue_membership(pool: Any, queued: dict[int, Any], sinks: dict[int, Any]) -> None:
     blocks = pool.blocks
     for block in queued.values():
         bid = block.block_id
@@ -198,7 +202,7 @@ def _check_queue_membership(pool: Any, queued: dict[int, Any]) -> None:
     for block in blocks[1:]:
         if id(block) in queued:
             continue
-        if block.ref_cnt == 0:
+        if block.ref_cnt == 0 and id(block) not in sinks:
             _fail("INV-QUEUE-5", f"block {block.block_id} has ref_cnt 0 but is not in "
                                  "the free queue (leaked)", block.block_id)
         if block.prev_free_block is not None or block.next_free_block is not None:
@@ -345,7 +349,7 @@ def check_kv_cache_manager(manager: Any, popped_blocks: Iterable[Iterable[Any]] 
     for g, group_manager in enumerate(managers):
         if group_manager.block_pool is not pool:
             _fail("INV-MGR-2", f"group {g}'s manager uses a different block pool")
-    check_block_pool(pool)
+    check_block_pool(pool, [b for m in managers for b in getattr(m, "sink_blocks", ())])
 
     holders: dict[int, list[str]] = {}  # block id -> who holds it, one entry per slot
     group_of: dict[int, int] = {}

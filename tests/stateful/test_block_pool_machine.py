@@ -5,7 +5,9 @@ Owners (``A``, ``B``, ... in order, at most three at a time) stand for
 requests: each has a prompt, a block table, and the number of its leading
 blocks already cached. They take blocks (fresh or by a prefix hit), cache
 them, give single blocks back, hold the null block, and finish, freeing in any
-order; in between, blocks are evicted by id and the cache is reset. The model
+order; in between, blocks are evicted by id and the cache is reset, and owners
+index a block under a prefix that ends inside it (partial entries: hashes
+every 2 tokens, blocks of 6, so a block has two such boundaries). The model
 predicts every answer of the pool (which blocks ``get_new_blocks`` hands out,
 what a lookup finds, whether a reset succeeds) and its whole state after every
 step; a consumer of the KV events alone must see the same index.
@@ -32,6 +34,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvref import (
+    BlockHashListWithBlockSize,
     BlockPool,
     KVCacheBlock,
     LoRARequest,
@@ -45,15 +48,20 @@ from kvref.verify.invariants import check
 
 from .event_consumer import EventConsumer, assert_consumer_agrees
 
-BLOCK_SIZE = 4
+BLOCK_SIZE = 6
+HASH_BLOCK_SIZE = 2       # request.block_hashes: one every 2 tokens
 NUM_BLOCKS = 10           # the null block and 9 usable ones
 MAX_OWNERS = 3
 PROMPTS = {
-    "chat-24": list(range(100, 124)),                                  # 6 full blocks
-    "chat-12-then-other": list(range(100, 112)) + list(range(200, 212)),  # shares 3
-    "chat-9": list(range(100, 109)),                                   # 2 full blocks
+    "chat-24": list(range(100, 124)),                                  # 4 full blocks
+    "chat-12-then-other": list(range(100, 112)) + list(range(200, 212)),  # shares 2
+    "chat-9": list(range(100, 109)),                                   # 1 full, 4 more hashed
     "other-16": list(range(300, 316)),
 }
+
+
+def full_block_hashes(request: Request) -> BlockHashListWithBlockSize:
+    return BlockHashListWithBlockSize(request.block_hashes, HASH_BLOCK_SIZE, BLOCK_SIZE)
 
 
 @dataclass
@@ -69,7 +77,7 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         init_none_hash(sha256)
-        self.pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE,
+        self.pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=HASH_BLOCK_SIZE,
                               enable_kv_cache_events=True)
         self.owners: dict[str, Owner] = {}
         self.started = 0
@@ -77,14 +85,19 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
         self.refs = {i: 0 for i in range(1, NUM_BLOCKS)}
         self.free_list = list(range(1, NUM_BLOCKS))          # head first
         self.hash_of: dict[int, bytes] = {}                   # block id -> index key
+        self.covers: dict[int, int] = {}                      # block id -> tokens its key covers
+        self.extra_keys: dict[int, list[bytes]] = {}          # block id -> partial-entry keys
         self.index: dict[bytes, list[int]] = {}               # key -> block ids, oldest first
         self.consumer = EventConsumer()
 
     # -- model helpers ----------------------------------------------------------
 
     def _uncache(self, block_id: int) -> None:
-        key = self.hash_of.pop(block_id, None)
-        if key is not None:
+        """The block leaves the index under its key and every partial-entry key."""
+        keys = [self.hash_of.pop(block_id)] if block_id in self.hash_of else []
+        keys += self.extra_keys.pop(block_id, [])
+        self.covers.pop(block_id, None)
+        for key in keys:
             self.index[key].remove(block_id)
             if not self.index[key]:
                 del self.index[key]
@@ -116,7 +129,7 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
         name = chr(ord("A") + self.started % 26)
         self.started += 1
         request = Request(f"req-{name}", PROMPTS[prompt],
-                          block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+                          block_hasher=get_request_block_hasher(HASH_BLOCK_SIZE, sha256),
                           lora_request=LoRARequest(lora, 1) if lora else None)
         self.owners[name] = Owner(request, group)
 
@@ -124,10 +137,10 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
     @rule(prompt=st.sampled_from(sorted(PROMPTS)), lora=st.sampled_from([None, "sql-lora"]),
           group=st.integers(0, 1))
     def look_up(self, prompt, lora, group):
-        """Look a prompt's blocks up without taking them: each finds the oldest
-        cached copy of its hash, or nothing."""
+        """Look a prompt up at every hash boundary without taking blocks: each
+        finds the oldest copy cached under that prefix (full or partial), or nothing."""
         request = Request("lookup", PROMPTS[prompt],
-                          block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+                          block_hasher=get_request_block_hasher(HASH_BLOCK_SIZE, sha256),
                           lora_request=LoRARequest(lora, 1) if lora else None)
         for i, block_hash in enumerate(request.block_hashes):
             found = self.pool.get_cached_block(block_hash, [group])
@@ -143,7 +156,7 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
         """A new request looks its blocks up hash by hash and takes the cached prefix."""
         o = self._pick(data, [n for n, o in self.owners.items() if not o.table])
         hit = []
-        for block_hash in o.request.block_hashes:
+        for block_hash in full_block_hashes(o.request):
             found = self.pool.get_cached_block(block_hash, [o.group])
             key = make_block_hash_with_group_id(block_hash, o.group)
             expected = self.index.get(key, [None])[0]
@@ -193,7 +206,7 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
     def cache(self, data, num_full_blocks):
         """The owner's first ``num_full_blocks`` blocks are full: index them."""
         o = self._pick(data, [n for n, o in self.owners.items() if o.table])
-        hashes = o.request.block_hashes
+        hashes = full_block_hashes(o.request)
         num_full = min(num_full_blocks, len(o.table), len(hashes))
         self.pool.cache_full_blocks(o.request, o.table, o.num_cached, num_full,
                                     BLOCK_SIZE, o.group)
@@ -201,10 +214,44 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
             block = o.table[i]
             if block.is_null:
                 continue
+            self._uncache(block.block_id)   # a partial entry grows into the full key
             key = make_block_hash_with_group_id(hashes[i], o.group)
             self.hash_of[block.block_id] = key
+            self.covers[block.block_id] = (i + 1) * BLOCK_SIZE
             self.index.setdefault(key, []).append(block.block_id)
         o.num_cached = max(o.num_cached, num_full)
+
+    @precondition(lambda self: any(o.table for o in self.owners.values()))
+    @rule(data=st.data(), position=st.integers(0, 5), inside=st.sampled_from([2, 4]))
+    def cache_partial(self, data, position, inside):
+        """Index the owner's block at ``position`` under its prefix ending
+        ``inside`` tokens into that block (a hit block gets an extra key; a
+        block being filled gets its key replaced by longer ones)."""
+        o = self._pick(data, [n for n, o in self.owners.items() if o.table])
+        position = min(position, len(o.table) - 1)
+        block, num_tokens = o.table[position], position * BLOCK_SIZE + inside
+        if block.is_null:   # a released slot: nothing, not even the arguments checked
+            assert self.pool.cache_partial_block(o.request, block, num_tokens, o.group,
+                                                 BLOCK_SIZE) is None
+            return
+        if num_tokens > len(o.request.block_hashes) * HASH_BLOCK_SIZE:
+            with pytest.raises(AssertionError):   # the request has no hash that far
+                self.pool.cache_partial_block(o.request, block, num_tokens, o.group, BLOCK_SIZE)
+            return
+        got = self.pool.cache_partial_block(o.request, block, num_tokens, o.group, BLOCK_SIZE)
+        key = make_block_hash_with_group_id(
+            o.request.block_hashes[num_tokens // HASH_BLOCK_SIZE - 1], o.group)
+        assert got == key, "cache_partial_block returned another key than the prefix's hash"
+        bid = block.block_id
+        if key == self.hash_of.get(bid) or key in self.extra_keys.get(bid, []):
+            return                                 # already there: nothing changes
+        if bid in self.hash_of and self.covers[bid] < num_tokens:
+            self._uncache(bid)                     # the longer prefix replaces it
+        if bid in self.hash_of:
+            self.extra_keys.setdefault(bid, []).append(key)
+        else:
+            self.hash_of[bid], self.covers[bid] = key, num_tokens
+        self.index.setdefault(key, []).append(bid)
 
     # -- blocks go back ---------------------------------------------------------
 
@@ -264,6 +311,8 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
             f"(in use: {[i for i, n in self.refs.items() if n]})")
         if expected:
             self.hash_of.clear()
+            self.covers.clear()
+            self.extra_keys.clear()
             self.index.clear()
 
     # -- invariants -------------------------------------------------------------------
@@ -316,11 +365,16 @@ class BlockPoolAgainstAModel(RuleBasedStateMachine):
 
     @invariant()
     def cache_index_is_the_model_index(self):
-        """INV-HASH-1/2, INV-EVT-1: every block's hash and the hash -> blocks map
+        """INV-HASH-1/2/5, INV-EVT-1: every block's hash, its partial-entry keys
+        and the hash -> blocks map
         are the model's (a hit takes the oldest copy), and the index rebuilt
         from the KV events alone is the same."""
         hashes = {b.block_id: b.block_hash for b in self.pool.blocks if b.block_hash}
         assert hashes == self.hash_of, "INV-HASH-1: block hashes differ from the model"
+        covers = {b.block_id: b.block_hash_num_tokens for b in self.pool.blocks if b.block_hash}
+        assert covers == self.covers, f"block_hash_num_tokens {covers}, model {self.covers}"
+        assert self.pool.cached_block_hashes_by_block == self.extra_keys, \
+            "INV-HASH-5: the partial-entry keys differ from the model"
         index = {}
         for key, block in self.pool.cached_block_hash_to_block.items():
             index.setdefault(key, []).append(block.block_id)

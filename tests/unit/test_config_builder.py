@@ -338,6 +338,21 @@ def test_rswa_frees_the_gap_between_prompt_and_window():
     assert pool.get_num_free_blocks() == free_before + 3
 
 
+def test_rswa_gap_call_gives_a_request_without_blocks_no_table():
+    """allocate_slots frees the gap before it may refuse: a refused newcomer must
+    not get an empty table, which would count in get_num_common_prefix_blocks
+    (recorded on vLLM: tests/conformance/traces/rswa)."""
+    pool = BlockPool(20, enable_caching=True, hash_block_size=4)
+    manager = _manager(RSWAManager, RSWASpec(4, rswa_window=8), pool)
+    manager.allocate_new_blocks("running", 8, 8)
+    manager.remove_skipped_blocks("refused", 20, num_prompt_tokens=20)
+    assert "refused" not in manager.req_to_blocks
+    assert manager.get_num_common_prefix_blocks("running") == 2
+    window = _manager(SlidingWindowManager, SlidingWindowSpec(4, 4), pool)
+    window.remove_skipped_blocks("refused", 20)     # a window's call does give one
+    assert "refused" in window.req_to_blocks and not window.req_to_blocks["refused"]
+
+
 def test_sink_manager_holds_its_sink_blocks_from_the_start():
     pool = BlockPool(10, enable_caching=True, hash_block_size=4)
     free = pool.get_num_free_blocks()
