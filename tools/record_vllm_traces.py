@@ -75,6 +75,7 @@ from kvref.verify.trace_replay import (
 )
 
 CLASSES = ("rswa", "sink", "prompt_embeds")
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 VOCAB = 1000
 MAX_STEPS = 2000
 HIDDEN = 4                  # prompt-embedding width: small, the bytes are what is hashed
@@ -163,15 +164,26 @@ class VllmReplayer(TraceReplayer):
         m = header["manager"]
         config = spec.KVCacheConfig(num_blocks=header["num_blocks"], kv_cache_tensors=[],
                                     kv_cache_groups=groups)
-        return self.v["KVCacheManager"](
-            config, max_model_len=m["max_model_len"],
-            scheduler_block_size=m["scheduler_block_size"],
-            hash_block_size=m["hash_block_size"],
-            max_num_batched_tokens=m.get("max_num_batched_tokens"),
-            enable_caching=m["enable_caching"], use_eagle=m.get("use_eagle", False),
-            log_stats=m.get("log_stats", False),
-            enable_kv_cache_events=m.get("enable_kv_cache_events", False),
-            watermark=m.get("watermark", 0.0))
+        # vLLM reads the retention interval from its variable when the
+        # coordinator is built: set it from the header for that moment only.
+        interval = header.get("prefix_cache_retention_interval")
+        saved = os.environ.pop(RETENTION_ENV, None)
+        if interval is not None:
+            os.environ[RETENTION_ENV] = str(interval)
+        try:
+            return self.v["KVCacheManager"](
+                config, max_model_len=m["max_model_len"],
+                scheduler_block_size=m["scheduler_block_size"],
+                hash_block_size=m["hash_block_size"],
+                max_num_batched_tokens=m.get("max_num_batched_tokens"),
+                enable_caching=m["enable_caching"], use_eagle=m.get("use_eagle", False),
+                log_stats=m.get("log_stats", False),
+                enable_kv_cache_events=m.get("enable_kv_cache_events", False),
+                watermark=m.get("watermark", 0.0))
+        finally:
+            os.environ.pop(RETENTION_ENV, None)
+            if saved is not None:
+                os.environ[RETENTION_ENV] = saved
 
     def make_request(self, op: dict):
         v, lora = self.v, op.get("lora")
