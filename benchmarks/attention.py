@@ -2,8 +2,9 @@
 
 No vLLM counterpart (benchmark harness). kvref has two paged attentions:
 ``paged_attention``, the per-request reference written to be read, and
-``fast_paged_attention``, what the engine runs (one gather through the block
-table per batch of equal query lengths, then ``scaled_dot_product_attention``).
+``fast_paged_attention``, what the engine runs (per batch of equal query
+lengths, a gather through the block table and ``scaled_dot_product_attention``,
+as many requests at a time as fit in the CPU's cache; planning included).
 Both are timed against ``torch.nn.functional.scaled_dot_product_attention`` on
 the same queries, keys and values laid out densely (one contiguous ``[batch,
 heads, seq, head_size]`` tensor, no paging), in two forms: keys repeated per

@@ -12,8 +12,10 @@ same answer (the tests check both paths against dense SDPA on every case of
    another length gets its own call.
 2. **Gather whole blocks, once.** A request's queries see the contiguous key
    range ``[lo, hi)`` (``visible_key_range`` of its first and last query); the
-   blocks holding it are read for every request of the batch with one
-   ``index_select`` for keys and one for values, into a reused buffer::
+   blocks holding it are read with one ``index_select`` for keys and one for
+   values, into a reused buffer, for as many requests of the batch at a time
+   as fit in the CPU's cache (``KVGatherBuffer.max_bytes``: SDPA then reads
+   the copy from cache, not from memory; a small batch is one chunk)::
 
        block size 4, row [7, 2, 9, 4], window 6, seq_len 14, one query (pos 13):
        lo = 8, hi = 14 -> table columns 2..3 -> blocks 9, 4 -> key positions 8..15
@@ -43,7 +45,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,29 +67,55 @@ from kvref.math_utils import cdiv
 
 __all__ = ["KVGatherBuffer", "PagedAttentionPlan", "fast_paged_attention"]
 
+# Requests gathered at once hold at most this many bytes of keys and values, so
+# SDPA reads them back from cache instead of memory (the gather is the only read
+# of the pool). Decode 32 x 1 over 1024, one thread, quiet machine: gathering the
+# whole batch, then SDPA, 1.9x dense SDPA (enable_gqa); 1-4 requests (2-8 MB) at
+# a time 1.36x, 16 MB at a time 1.94x (a prototype of this loop). On a loaded
+# machine (load 3-5) the cache is not ours between gather and SDPA: no gain, and
+# the loop's extra calls cost 0-10%.
+DEFAULT_CHUNK_BYTES = 8 << 20
+
 
 class KVGatherBuffer:
-    """Reused staging tensors for the gathered key and value blocks.
+    """Reused staging tensors for the gathered key and value blocks, a cache's worth.
 
     Gathering into a fresh tensor of tens of MB costs that tensor's page faults on
     every call (CPU, decode 32 x 1 over 1024 tokens: both gathers took ~170 ms into
     new tensors, ~31 ms into reused ones). One buffer serves every layer of a step
-    in turn; it grows to the largest batch seen and is never shrunk.
+    in turn; it grows to the largest chunk seen and is never shrunk.
+
+    ``max_bytes``: how much of a batch is gathered at once. A batch is gathered and
+    attended a few requests at a time, as many as fit in ``max_bytes`` of keys and
+    values (at least one), so that SDPA reads the keys from the CPU's cache rather
+    than from memory. None: the whole batch at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = DEFAULT_CHUNK_BYTES) -> None:
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
+        self.max_bytes = max_bytes
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
 
-    def take(self, num_blocks: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def requests_per_chunk(self, num_reqs: int, num_keys: int, kv_cache: torch.Tensor) -> int:
+        """How many requests of ``num_keys`` gathered keys each to gather at once
+        (all of them off the CPU: a GPU gains nothing from CPU-cache-sized chunks)."""
+        if self.max_bytes is None or kv_cache.device.type != "cpu":
+            return num_reqs
+        per_request = 2 * num_keys * math.prod(kv_cache.shape[3:]) * kv_cache.element_size()
+        return max(1, min(num_reqs, self.max_bytes // per_request))
+
+    def take(self, num_blocks: int, pool_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two ``[num_blocks, block_size, num_kv_heads, head_size]`` tensors (contents
-        undefined) in ``kv_cache``'s dtype and device."""
-        shape = (num_blocks, *kv_cache.shape[2:])
+        undefined) shaped as blocks of ``pool_keys`` (``kv_cache[:, 0]``), in its
+        dtype and device."""
+        shape = (num_blocks, *pool_keys.shape[1:])
         numel = math.prod(shape)
         k = self._keys
-        if (k is None or k.numel() < numel or k.dtype != kv_cache.dtype
-                or k.device != kv_cache.device):
-            self._keys = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
+        if (k is None or k.numel() < numel or k.dtype != pool_keys.dtype
+                or k.device != pool_keys.device):
+            self._keys = torch.empty(numel, dtype=pool_keys.dtype, device=pool_keys.device)
             self._values = torch.empty_like(self._keys)
         return self._keys[:numel].view(shape), self._values[:numel].view(shape)
 
@@ -236,10 +265,13 @@ class _Batch:
     rows: torch.Tensor | None        # [R * q_len] query rows; None: rows 0.. in order
     block_ids: torch.Tensor          # [R * num_cols] the blocks to gather, request by request
     unseen: torch.Tensor | None      # indices into the R * num_keys gathered slots to zero
+    unseen_starts: list[int] | None  # [R + 1] where each request's indices begin in unseen
     attn_mask: torch.Tensor | None   # [R, 1, q_len, num_keys] bool; None: see is_causal
     # Prefills from position 0 under plain causal attention: the first q_len keys,
     # SDPA's own causal mask (it skips the blocks above the diagonal).
     is_causal: bool = False
+    # Chunk lists by requests per chunk, made by the first layer that asks (``_chunks``).
+    chunks: dict[int, list[_Chunk]] = field(default_factory=dict, compare=False)
 
 
 def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
@@ -259,7 +291,8 @@ def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
         table = block_table if reqs == list(range(len(reqs))) else block_table[reqs]
         return _Batch(q_len=q_len, num_reqs=len(reqs), num_keys=num_cols * block_size,
                       rows=rows, block_ids=table[:len(reqs)].gather(1, cols).reshape(-1)
-                      .to(torch.int64), unseen=None, attn_mask=None, is_causal=True)
+                      .to(torch.int64), unseen=None, unseen_starts=None, attn_mask=None,
+                      is_causal=True)
     # The table columns each request reads: the blocks of its keys [lo, hi).
     first_col, last_col = [], []
     for seq_len in seq_lens:
@@ -290,34 +323,90 @@ def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
     # through a boolean mask would rewrite all of it).
     unseen = (~mask.any(dim=1)).reshape(-1).nonzero().squeeze(1)                   # of R * K
     seen_all = unseen.numel() == 0
+    # A chunk of requests [r0, r1) zeroes unseen[starts[r0]:starts[r1]] - r0 * K.
+    starts = torch.searchsorted(unseen, torch.arange(num_reqs + 1, device=device) * num_keys)
     return _Batch(q_len=q_len, num_reqs=num_reqs, num_keys=num_keys, rows=rows,
                   block_ids=block_ids, unseen=None if seen_all else unseen,
+                  unseen_starts=None if seen_all else starts.tolist(),
                   # A decode that sees every gathered key needs no mask.
                   attn_mask=None if seen_all and q_len == 1 else mask[:, None])
 
 
+class _Chunk(NamedTuple):
+    """Requests ``r0 .. r1 - 1`` of a ``_Batch``, gathered and attended together."""
+
+    r0: int
+    r1: int
+    block_ids: torch.Tensor            # [(r1 - r0) * num_cols]
+    unseen: torch.Tensor | None        # indices into the chunk's gathered slots to zero
+    attn_mask: torch.Tensor | None     # [r1 - r0, 1, q_len, num_keys], or None
+
+
+def _chunks(batch: _Batch, step: int) -> list[_Chunk]:
+    """The batch cut into chunks of ``step`` requests; worked out once per step
+    (every layer's call finds it in ``batch.chunks``)."""
+    if step in batch.chunks:
+        return batch.chunks[step]
+    cols = batch.block_ids.numel() // batch.num_reqs
+    chunks = []
+    for r0 in range(0, batch.num_reqs, step):
+        r1 = min(r0 + step, batch.num_reqs)
+        unseen = None
+        if batch.unseen is not None:
+            start, stop = batch.unseen_starts[r0], batch.unseen_starts[r1]
+            if stop > start:
+                unseen = batch.unseen[start:stop] - r0 * batch.num_keys
+        chunks.append(_Chunk(r0, r1, batch.block_ids[r0 * cols:r1 * cols], unseen,
+                             None if batch.attn_mask is None else batch.attn_mask[r0:r1]))
+    batch.chunks[step] = chunks
+    return chunks
+
+
 def _attend_batch(query: torch.Tensor, kv_cache: torch.Tensor, buffer: KVGatherBuffer,
                   batch: _Batch, scale: float) -> torch.Tensor:
-    """``query [R * q_len, H, D]`` -> the batch's output, same shape, in the work dtype."""
-    num_kv_heads, head_size = kv_cache.shape[3:]
-    num_heads = query.shape[1]
-    num_reqs, q_len, num_keys = batch.num_reqs, batch.q_len, batch.num_keys
-    keys, values = buffer.take(batch.block_ids.numel(), kv_cache)
-    torch.index_select(kv_cache[:, 0], 0, batch.block_ids, out=keys)     # [R * C, bs, Hk, D]
-    torch.index_select(kv_cache[:, 1], 0, batch.block_ids, out=values)
-    if batch.unseen is not None:
-        keys.view(num_reqs * num_keys, -1).index_fill_(0, batch.unseen, 0)
-        values.view(num_reqs * num_keys, -1).index_fill_(0, batch.unseen, 0)
+    """``query [R * q_len, H, D]`` -> the batch's output, same shape, in the work dtype.
 
+    The requests are gathered and attended a chunk at a time (``buffer.max_bytes``
+    of keys and values), each chunk still in cache when SDPA reads it.
+    """
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
-    k = keys.to(work).view(num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2)
-    v = values.to(work).view(num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2)
-    q = query.to(work).view(num_reqs, q_len, num_heads, head_size)        # k, v: [R, Hk, K, D]
+    query = query.to(work)
+    pool_keys, pool_values = kv_cache[:, 0], kv_cache[:, 1]      # [num_blocks, bs, Hk, D]
+    chunks = _chunks(batch, buffer.requests_per_chunk(batch.num_reqs, batch.num_keys, kv_cache))
+    if len(chunks) == 1:
+        return _attend_chunk(query, pool_keys, pool_values, buffer, batch, chunks[0], scale)
+    out = torch.empty(query.shape, dtype=work, device=query.device)
+    q_len = batch.q_len
+    for chunk in chunks:
+        rows = slice(chunk.r0 * q_len, chunk.r1 * q_len)
+        out[rows] = _attend_chunk(query[rows], pool_keys, pool_values, buffer, batch, chunk,
+                                  scale)
+    return out
+
+
+def _attend_chunk(query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor,
+                  buffer: KVGatherBuffer, batch: _Batch, chunk: _Chunk,
+                  scale: float) -> torch.Tensor:
+    """The chunk's ``query [n * q_len, H, D]`` (work dtype) -> its output, same shape."""
+    num_kv_heads, head_size = pool_keys.shape[2:]
+    num_heads = query.shape[1]
+    num_reqs, q_len, num_keys = chunk.r1 - chunk.r0, batch.q_len, batch.num_keys
+    keys, values = buffer.take(chunk.block_ids.numel(), pool_keys)
+    torch.index_select(pool_keys, 0, chunk.block_ids, out=keys)          # [n * C, bs, Hk, D]
+    torch.index_select(pool_values, 0, chunk.block_ids, out=values)
+    if chunk.unseen is not None:
+        keys.view(num_reqs * num_keys, -1).index_fill_(0, chunk.unseen, 0)
+        values.view(num_reqs * num_keys, -1).index_fill_(0, chunk.unseen, 0)
+    if keys.dtype != query.dtype:
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
+    k = keys.view(num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2)
+    v = values.view(num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2)
+    q = query.view(num_reqs, q_len, num_heads, head_size)                # k, v: [n, Hk, K, D]
     if q_len == 1:
         # A decode reads every key once for its G query heads: they become G rows
         # against their KV head, [R, Hk, G, D], and the mask is one row per request.
         q = q.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_size)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attn_mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.attn_mask, scale=scale)
     else:
         # Longer queries: one mask [R, 1, q, K] for all heads, and SDPA pairs each
         # query head with its KV head (folding heads into rows here would repeat the
@@ -325,7 +414,7 @@ def _attend_batch(query: torch.Tensor, kv_cache: torch.Tensor, buffer: KVGatherB
         if batch.is_causal:                 # the slots past the prompt are never read
             k, v = k[:, :, :q_len], v[:, :, :q_len]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
-                                             attn_mask=batch.attn_mask, scale=scale,
+                                             attn_mask=chunk.attn_mask, scale=scale,
                                              is_causal=batch.is_causal,
                                              enable_gqa=True)                 # [R, H, q, D]
         out = out.transpose(1, 2)

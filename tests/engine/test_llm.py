@@ -118,6 +118,22 @@ def test_llama_batch_with_prefix_hits_chunks_and_preemption_matches_transformers
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_attention_gathered_one_request_at_a_time_gives_the_same_tokens(device):
+    """The fast path's chunking (``KVGatherBuffer.max_bytes``) changes no token:
+    here every layer gathers and attends one request at a time."""
+    model = llama(**LLAMA_SHAPES["2-layers-gqa"])
+    prompts = shared_prefix_prompts(model.config.vocab_size, seed=2)
+    llm, _ = make_llm(model, device, num_gpu_blocks=30)
+    buffers = {id(m.gather_buffer): m.gather_buffer for m in llm.model.modules()
+               if hasattr(m, "gather_buffer")}
+    assert len(buffers) == 1                                # the layers share one
+    for buffer in buffers.values():
+        buffer.max_bytes = 1
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert_matches_transformers(model, prompts, outputs, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_sliding_window_hybrid_model_matches_transformers(arch, device):
     model = hybrid(arch=arch, window=5)

@@ -20,6 +20,7 @@ from kvref.attention import (
     make_kv_cache,
     paged_attention,
 )
+from kvref.attention.fast_paged_attention import DEFAULT_CHUNK_BYTES
 from kvref.math_utils import cdiv
 
 from .driver import DEVICES, Run, chunk_of, nan_outside, window_of
@@ -67,13 +68,24 @@ def test_fast_path_in_half_precision_is_the_float32_answer_rounded(config, dtype
         check_fast_step(run, step, buffer, rtol=torch.finfo(dtype).eps)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+def test_gathering_one_request_at_a_time_gives_the_same_answer(config):
+    """The default chunk holds these small batches whole; ``max_bytes=1`` makes every
+    request its own chunk (its own gather, zeroed slots, mask rows and SDPA call)."""
+    run = Run(num_blocks=48, **CONFIGS[config])
+    buffer = KVGatherBuffer(max_bytes=1)
+    for step in mixed_run(run):
+        check_fast_step(run, step, buffer)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_fast_path_grouped_query_heads(num_heads, num_kv_heads):
     specs = [FullAttentionSpec(4, num_kv_heads=num_kv_heads, head_size=8),
              SlidingWindowSpec(4, num_kv_heads=num_kv_heads, head_size=8, sliding_window=5)]
     run = Run(specs, num_blocks=48, num_heads=num_heads, num_kv_heads=num_kv_heads)
     for _, step in zip(range(5), mixed_run(run)):
-        check_fast_step(run, step, KVGatherBuffer())
+        for max_bytes in (DEFAULT_CHUNK_BYTES, 1):         # the batch whole; one request
+            check_fast_step(run, step, KVGatherBuffer(max_bytes=max_bytes))
 
 
 def _random_batch(seed: int, query_lens: list[int], seq_lens: list[int], block_size: int = 4):
@@ -97,13 +109,37 @@ def _random_batch(seed: int, query_lens: list[int], seq_lens: list[int], block_s
                                      dict(attention_chunk_size=4),
                                      dict(causal=False, attention_chunk_size=8),
                                      dict(sliding_window=6, attention_chunk_size=8)])
-def test_mixed_query_lengths_match_the_reference(options):
-    """Decodes, chunks and an idle row in one batch: three SDPA calls, one answer."""
+@pytest.mark.parametrize("max_bytes", [None, 1, 4000])
+def test_mixed_query_lengths_match_the_reference(options, max_bytes):
+    """Decodes, chunks and an idle row in one batch: three SDPA calls, one answer,
+    however many requests are gathered at a time."""
     query, cache, batch = _random_batch(1, [1, 5, 0, 1, 5, 9], [13, 7, 4, 2, 21, 9])
     want = paged_attention(query, cache, **batch, **options)
-    got = fast_paged_attention(query, cache, **batch, **options)
+    got = fast_paged_attention(query, cache, **batch, **options,
+                               buffer=KVGatherBuffer(max_bytes=max_bytes))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert got[-2:].abs().sum() == 0                                # padding rows stay 0
+
+
+def test_a_batch_is_gathered_as_many_requests_at_a_time_as_fit_in_max_bytes():
+    """Five decodes of 4 blocks of 4 keys, 2 KV heads x 8, float32: 2 * 16 * 2 * 8 * 4
+    = 2048 bytes of keys and values each; 4096 bytes hold two, so chunks of 2, 2, 1.
+    The slots past each sequence are NaN, in every chunk: each chunk zeroes its own."""
+    seq_lens = [13, 16, 9, 14, 15]
+    query, cache, batch = _random_batch(2, [1] * 5, seq_lens)
+    for r, n in enumerate(seq_lens):
+        row = batch["block_table"][r]
+        for pos in range(n, 16):
+            cache[row[pos // 4], :, pos % 4] = float("nan")
+    buffer = KVGatherBuffer(max_bytes=4096)
+    assert buffer.requests_per_chunk(5, 16, cache) == 2
+    assert KVGatherBuffer(max_bytes=1).requests_per_chunk(5, 16, cache) == 1   # at least one
+    assert KVGatherBuffer(max_bytes=None).requests_per_chunk(5, 16, cache) == 5
+    got = fast_paged_attention(query, cache, **batch, buffer=buffer)
+    assert torch.isfinite(got[:5]).all()
+    torch.testing.assert_close(got, paged_attention(query, cache, **batch), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_bytes must be a positive int or None, got 0"):
+        KVGatherBuffer(max_bytes=0)
 
 
 def test_one_buffer_serves_batches_of_any_size():
