@@ -102,14 +102,14 @@ def _vllm():
     except ImportError as exc:
         sys.exit(f"record_vllm_traces: vLLM 0.25.1 does not import here ({exc}); run with "
                  "the oracle's python (python3 tools/setup_vllm_venv.py DIR makes one)")
-    _let_sink_manager_take_scheduler_block_size(SinkFullAttentionManager)
+    let_sink_manager_take_scheduler_block_size(SinkFullAttentionManager)
     return dict(torch=torch, LoRARequest=LoRARequest, MultiModalFeatureSpec=MultiModalFeatureSpec,
                 PlaceholderRange=PlaceholderRange, SamplingParams=VllmSamplingParams,
                 hash_functions={"sha256": sha256, "sha256_cbor": sha256_cbor}, spec=spec,
                 kv_cache_utils=kv_cache_utils, KVCacheManager=KVCacheManager, Request=Request)
 
 
-def _let_sink_manager_take_scheduler_block_size(manager_class) -> None:
+def let_sink_manager_take_scheduler_block_size(manager_class) -> None:
     """The one change to vLLM (module docstring): accept the coordinator's keyword."""
     vllm_init = manager_class.__init__
     if getattr(vllm_init, "_takes_scheduler_block_size", False):
