@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"  # vLLM reads the interval here
@@ -106,6 +108,14 @@ class VLLMSide:
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.request import Request, RequestStatus
+        # vLLM 0.25.1 cannot build a sink group's manager; the sink traces were
+        # recorded with that one constructor fixed (tools/record_vllm_traces.py).
+        from vllm.v1.core.single_type_kv_cache_manager import SinkFullAttentionManager
+        tools = str(Path(__file__).resolve().parent.parent / "tools")
+        if tools not in sys.path:
+            sys.path.insert(0, tools)
+        from record_vllm_traces import let_sink_manager_take_scheduler_block_size
+        let_sink_manager_take_scheduler_block_size(SinkFullAttentionManager)
         # A running engine caches its environment switches once started
         # (EngineCore calls this); without it every event hash re-reads os.environ.
         from vllm import envs

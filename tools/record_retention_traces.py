@@ -17,7 +17,11 @@ while vLLM's coordinator reads the real variable.
 
 This is a recording tool, run by hand in the oracle environment; nothing in
 the project imports it, and a clone without the conformance tools cannot run
-it (as for the other recorded traces, see ``tests/conformance/README.md``)::
+it (as for the other recorded traces, see ``tests/conformance/README.md``).
+The project's own recorder checks them without those tools: ``PYTHONPATH=$PWD
+$PY tools/record_vllm_traces.py --rerecord tests/conformance/traces/retention``
+runs their ops on vLLM again (the header key set as the variable) and finds
+the same answers::
 
     /root/.cache/vllm-oracle/bin/python tools/record_retention_traces.py \\
         --conformance-tools ../shared/conformance --out tests/conformance/traces/retention

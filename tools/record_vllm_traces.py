@@ -55,7 +55,6 @@ from kvref.engine.model_free_runner import ModelFreeRunner
 from kvref.engine.request import EngineRequest, prompt_embeds_from_rows
 from kvref.engine.sampling_params import SamplingParams
 from kvref.engine.scheduler import Scheduler
-from kvref.math_utils import cdiv
 from kvref.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -64,6 +63,7 @@ from kvref.kv_cache_interface import (
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
+from kvref.math_utils import cdiv
 from kvref.verify.trace_record import RecordingKVCacheManager, make_header, write_trace
 from kvref.verify.trace_replay import (
     TraceReplayer,
@@ -77,6 +77,7 @@ from kvref.verify.trace_replay import (
 CLASSES = ("rswa", "sink", "prompt_embeds")
 VOCAB = 1000
 MAX_STEPS = 2000
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 HIDDEN = 4                  # prompt-embedding width: small, the bytes are what is hashed
 
 
@@ -101,14 +102,14 @@ def _vllm():
     except ImportError as exc:
         sys.exit(f"record_vllm_traces: vLLM 0.25.1 does not import here ({exc}); run with "
                  "the oracle's python (python3 tools/setup_vllm_venv.py DIR makes one)")
-    _let_sink_manager_take_scheduler_block_size(SinkFullAttentionManager)
+    let_sink_manager_take_scheduler_block_size(SinkFullAttentionManager)
     return dict(torch=torch, LoRARequest=LoRARequest, MultiModalFeatureSpec=MultiModalFeatureSpec,
                 PlaceholderRange=PlaceholderRange, SamplingParams=VllmSamplingParams,
                 hash_functions={"sha256": sha256, "sha256_cbor": sha256_cbor}, spec=spec,
                 kv_cache_utils=kv_cache_utils, KVCacheManager=KVCacheManager, Request=Request)
 
 
-def _let_sink_manager_take_scheduler_block_size(manager_class) -> None:
+def let_sink_manager_take_scheduler_block_size(manager_class) -> None:
     """The one change to vLLM (module docstring): accept the coordinator's keyword."""
     vllm_init = manager_class.__init__
     if getattr(vllm_init, "_takes_scheduler_block_size", False):
@@ -163,15 +164,26 @@ class VllmReplayer(TraceReplayer):
         m = header["manager"]
         config = spec.KVCacheConfig(num_blocks=header["num_blocks"], kv_cache_tensors=[],
                                     kv_cache_groups=groups)
-        return self.v["KVCacheManager"](
-            config, max_model_len=m["max_model_len"],
-            scheduler_block_size=m["scheduler_block_size"],
-            hash_block_size=m["hash_block_size"],
-            max_num_batched_tokens=m.get("max_num_batched_tokens"),
-            enable_caching=m["enable_caching"], use_eagle=m.get("use_eagle", False),
-            log_stats=m.get("log_stats", False),
-            enable_kv_cache_events=m.get("enable_kv_cache_events", False),
-            watermark=m.get("watermark", 0.0))
+        # vLLM's coordinator reads the retention interval from its environment when
+        # built: the header's value (absent: unset) around the build only.
+        retention = header.get("prefix_cache_retention_interval")
+        saved = os.environ.pop(RETENTION_ENV, None)
+        if retention is not None:
+            os.environ[RETENTION_ENV] = str(retention)
+        try:
+            return self.v["KVCacheManager"](
+                config, max_model_len=m["max_model_len"],
+                scheduler_block_size=m["scheduler_block_size"],
+                hash_block_size=m["hash_block_size"],
+                max_num_batched_tokens=m.get("max_num_batched_tokens"),
+                enable_caching=m["enable_caching"], use_eagle=m.get("use_eagle", False),
+                log_stats=m.get("log_stats", False),
+                enable_kv_cache_events=m.get("enable_kv_cache_events", False),
+                watermark=m.get("watermark", 0.0))
+        finally:
+            os.environ.pop(RETENTION_ENV, None)
+            if saved is not None:
+                os.environ[RETENTION_ENV] = saved
 
     def make_request(self, op: dict):
         v, lora = self.v, op.get("lora")
@@ -282,7 +294,10 @@ def run_workload(cls: str, seed: int, name: str) -> dict:
     # A request must fit the pool alone (beside sink blocks) or it would wait forever.
     usable = config.num_blocks - 1 - knobs.get("sink_len", 0) // bs
     per_group = usable // len(config.kv_cache_groups)
-    fits = lambda num_tokens: cdiv(num_tokens, bs) + 2 <= per_group  # noqa: E731
+
+    def fits(num_tokens: int) -> bool:
+        return cdiv(num_tokens, bs) + 2 <= per_group
+
     systems = [_tokens(rng, rng.randrange(bs, 5 * bs)) for _ in range(2)]
     pending: list[tuple[int, str, list[int], int, int | None]] = []  # step, id, prompt, out, embeds
     num_requests = rng.randint(8, 12)

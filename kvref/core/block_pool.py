@@ -209,8 +209,8 @@ class BlockPool:
 
             tokens  | 0 1 . 2 3 . 4 5 | 6 7 . 8 9 . _ _ |
             fine    |  a     b     c  |  d     e        |
-            full    |        c        |                 |   c -> block 0
-            partial |                 |        e        |   e -> block 1
+            full    |        c        |                 |   c -> the request's 1st block
+            partial |                 |        e        |   e -> its 2nd block
 
         What the key becomes depends on the block's hash, which covers
         ``block.block_hash_num_tokens`` tokens:
@@ -218,7 +218,8 @@ class BlockPool:
         - no hash: the key is its hash now;
         - a hash of fewer tokens: the longer prefix replaces it; every key of
           the block leaves first (a ``BlockRemoved`` each);
-        - a hash of as many tokens or more: the key is an extra one, in
+        - a hash of as many tokens or more (or of a number not recorded, as
+          ``set_block_hash(key)`` from outside leaves it): the key is an extra one, in
           ``cached_block_hashes_by_block[block.block_id]``; it leaves the index
           with the block's hash (eviction, promotion, replacement, reset).
 

@@ -31,6 +31,8 @@ class ModelConfig:
     ``draft_tokens``: most draft tokens per decode step (0: no speculation);
     ``use_eagle`` then also reserves ``draft_tokens`` lookahead slots per step.
     ``spare_blocks``: blocks beyond what one max-length request needs.
+    ``retention_interval``: the prefix-cache retention interval (``None``: unset),
+    given to the manager explicitly so the shell's variable never leaks in.
     """
 
     name: str
@@ -44,6 +46,7 @@ class ModelConfig:
     max_model_len: int = 48
     max_num_batched_tokens: int = 16
     spare_blocks: int = 2
+    retention_interval: int | None = None
 
     @property
     def lookahead(self) -> int:
@@ -110,7 +113,8 @@ class ModelConfig:
             hash_block_size=self.hash_block_size,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_caching=self.enable_caching, use_eagle=self.use_eagle, log_stats=True,
-            enable_kv_cache_events=True, watermark=self.watermark)
+            enable_kv_cache_events=True, watermark=self.watermark,
+            retention_interval=self.retention_interval)
 
 
 def _configs(*configs: ModelConfig) -> dict[str, ModelConfig]:
@@ -160,6 +164,14 @@ CONFIGS = _configs(
     ModelConfig("mamba_mtp", (FullAttentionSpec(4),
                               MambaSpec(4, mamba_cache_mode="all", num_speculative_blocks=2)),
                 use_eagle=True, draft_tokens=2),
+    # Retention intervals: a Mamba state every 8 tokens (and at the replay
+    # boundary); a window keeping only the replay boundary's tail.
+    ModelConfig("hybrid_full_mamba_retention", (FullAttentionSpec(4),
+                                                MambaSpec(4, mamba_cache_mode="all")),
+                retention_interval=8),
+    ModelConfig("hybrid_full_swa_retain_latest", (FullAttentionSpec(4),
+                                                  SlidingWindowSpec(4, sliding_window=4)),
+                retention_interval=0),
     ModelConfig("mamba_align_mtp", (FullAttentionSpec(4),
                                     MambaSpec(4, mamba_cache_mode="align",
                                               num_speculative_blocks=2)),

@@ -11,6 +11,8 @@ free queue as the pool observer models it), never for a decision:
   it hands out, in order (INV-ALLOC-3, INV-ALLOC-4).
 - ``expected_block_hashes``: a request's chained hashes with their extra keys
   (INV-CHAIN-2).
+- ``is_hashed_by_caching``: which positions caching hashes in window and Mamba
+  groups, with or without a retention interval (INV-CACHE-2).
 
 Example, block size 4, window 5: ``skipped_tokens(spec, 8) == 4`` (block 0 is
 freed), ``skipped_tokens(spec, 7) == 3`` (no whole block yet).
@@ -26,6 +28,7 @@ from kvref import (
     FullAttentionSpec,
     KVCacheBlock,
     KVCacheSpec,
+    MambaSpec,
     RequestStatus,
     SlidingWindowSpec,
     sha256,
@@ -191,11 +194,50 @@ def expected_block_hashes(request, hash_block_size: int) -> list[bytes]:
     return hashes
 
 
+def is_hashed_by_caching(spec: KVCacheSpec, position: int, *, alignment: int,
+                         retention_interval: int | None, num_prompt_tokens: int,
+                         use_eagle: bool) -> bool:
+    """INV-CACHE-2: whether caching that covers ``position`` hashes it.
+
+    Read off the spec's kept boundaries one by one (not vLLM's mask arithmetic):
+    block size 4, window 4 (one block per hit), interval 8, a 14-token prompt
+    (replay boundary 12): boundaries 8, 16, ... and 12 -> positions 1, 3, 5, ...
+    and 2.
+    """
+    bs = spec.block_size
+    if isinstance(spec, SlidingWindowSpec):
+        need = cdiv(spec.sliding_window - 1, bs) + (1 if use_eagle else 0)
+        shift = 1 if use_eagle else 0
+        segment = alignment if retention_interval is None else retention_interval
+        if segment > 0 and need >= segment // bs:
+            return True
+
+        def tail_of(boundary: int) -> bool:
+            end = boundary // bs + shift
+            return end - need <= position < end
+
+        # The tails that can contain ``position`` end at most ``need`` blocks later.
+        if segment > 0:
+            for end_block in range(position + 1, position + need + 1):
+                boundary = (end_block - shift) * bs
+                if boundary > 0 and boundary % segment == 0 and tail_of(boundary):
+                    return True
+        return retention_interval is not None and             tail_of((num_prompt_tokens - 1) // alignment * alignment)
+    if isinstance(spec, MambaSpec):
+        if retention_interval is None or 0 < retention_interval < 2 * bs:
+            return True
+        boundary = (position + 1) * bs
+        replay = (num_prompt_tokens - 1) // alignment * alignment
+        return boundary == replay or (retention_interval > 0
+                                      and boundary % retention_interval == 0)
+    return True
+
+
 def is_plain_full_attention(spec: KVCacheSpec) -> bool:
     """INV-ALLOC-5: the groups whose fresh blocks ``take_new_block_ids`` reports."""
     return type(spec) is FullAttentionSpec
 
 
 __all__ = ["Allocation", "admission_cap", "cdiv", "expected_block_hashes",
-           "expected_extra_keys", "is_plain_full_attention", "predict_allocation",
-           "return_to_queue", "skipped_tokens"]
+           "expected_extra_keys", "is_hashed_by_caching", "is_plain_full_attention",
+           "predict_allocation", "return_to_queue", "skipped_tokens"]

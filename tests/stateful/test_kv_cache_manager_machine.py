@@ -636,6 +636,14 @@ class EagleHybridDifferentBlockSizes(SchedulerDrivesManager):
     config = CONFIGS["eagle_hybrid_diff_block_sizes"]
 
 
+class HybridFullMambaRetention(SchedulerDrivesManager):
+    config = CONFIGS["hybrid_full_mamba_retention"]
+
+
+class HybridFullWindowRetainLatest(SchedulerDrivesManager):
+    config = CONFIGS["hybrid_full_swa_retain_latest"]
+
+
 class MambaMultiTokenPrediction(SchedulerDrivesManager):
     config = CONFIGS["mamba_mtp"]
 
@@ -662,5 +670,7 @@ TestNoPrefixCaching = NoPrefixCaching.TestCase
 TestEagle = Eagle.TestCase
 TestEagleHybridFullSlidingWindow = EagleHybridFullSlidingWindow.TestCase
 TestEagleHybridDifferentBlockSizes = EagleHybridDifferentBlockSizes.TestCase
+TestHybridFullMambaRetention = HybridFullMambaRetention.TestCase
+TestHybridFullWindowRetainLatest = HybridFullWindowRetainLatest.TestCase
 TestMambaMultiTokenPrediction = MambaMultiTokenPrediction.TestCase
 TestMambaAlignMultiTokenPrediction = MambaAlignMultiTokenPrediction.TestCase

@@ -20,7 +20,8 @@ against an exact model (``exact_model.py``), not only against safety:
 The exact model checks, after every call: the null prefix of every window and
 chunk table (INV-SKIP-1), whether ``allocate_slots`` succeeds (INV-ALLOC-3),
 which block ids it hands out (INV-ALLOC-4), what ``take_new_block_ids``
-reports (INV-ALLOC-5), which positions are cached (INV-CACHE-1), and every
+reports (INV-ALLOC-5), which positions are cached (INV-CACHE-1, and with a
+retention interval or a coarser alignment which of them are hashed, INV-CACHE-2), and every
 request's hash chain with its extra keys (INV-CHAIN-2). All the manager
 machine's rules and checks run here too.
 
@@ -68,6 +69,7 @@ from .configs import ModelConfig
 from .exact_model import (
     cdiv,
     expected_extra_keys,
+    is_hashed_by_caching,
     is_plain_full_attention,
     predict_allocation,
     skipped_tokens,
@@ -109,6 +111,7 @@ class SchedulerPaths(SchedulerDrivesManager):
         self.priority: dict[str, int] = {}
         self.arrival: dict[str, int] = {}
         self.cached_upto: dict[str, list[int]] = {}  # INV-CACHE-1's f, per group
+        self.hit_upto: dict[str, list[int]] = {}     # INV-CACHE-2's h, per group
         self.uncached_by_evict: set[int] = set()
         self.cached_unwritten: set[int] = set()      # INV-SCHED-1's vLLM defect
         self.step_handout: list[list[int]] = [[] for _ in self.specs]
@@ -402,6 +405,7 @@ class SchedulerPaths(SchedulerDrivesManager):
         if not allocated_before:
             self.cached_upto[name] = [max(skipped_tokens(spec, T) // spec.block_size, len(h))
                                       for spec, h in zip(self.specs, hit.blocks)]
+            self.hit_upto[name] = [len(h) for h in hit.blocks]
         if not load_async:
             self._note_cached(name, min(T + n, req.num_tokens))
         # Cached by this call: a new key, or a block handed out again (evicted,
@@ -458,6 +462,8 @@ class SchedulerPaths(SchedulerDrivesManager):
 
     def _check_hit(self, req, hit, num_hit):
         super()._check_hit(req, hit, num_hit)
+        # The manager machine's admissions allocate without _allocate: note the hit here.
+        self.hit_upto[req.request_id] = [len(h) for h in hit.blocks]
         if any(b.block_id in self.cached_unwritten for blocks in hit.blocks for b in blocks):
             event("vLLM defect: hit on a block cached by an un-scheduled step")
 
@@ -531,7 +537,7 @@ class SchedulerPaths(SchedulerDrivesManager):
 
     def _forget(self, name):
         super()._forget(name)
-        for table in (self.cached_upto, self.remote, self.chain_checked):
+        for table in (self.cached_upto, self.hit_upto, self.remote, self.chain_checked):
             table.pop(name, None)
 
     def _check_usage_and_leaks(self):
@@ -558,20 +564,36 @@ class SchedulerPaths(SchedulerDrivesManager):
 
     @invariant()
     def exact_caching_and_hashing(self):
-        """INV-CACHE-1, INV-CHAIN-2: each request's blocks are cached exactly up
-        to where vLLM caches them, and its hashes are the spec's chain with LoRA
-        on every block, each image on the blocks it overlaps, the salt on block 0."""
+        """INV-CACHE-1, INV-CACHE-2, INV-CHAIN-2: each request's blocks are
+        cached exactly up to where vLLM caches them, hashed below that exactly
+        where vLLM's mask keeps them, and its hashes are the spec's chain with
+        LoRA on every block, each image on the blocks it overlaps, the salt on
+        block 0."""
+        alignment = self.coordinator.scheduler_block_size
+        interval = self.coordinator.retention_interval
         for name, upto in self.cached_upto.items():
             tables = self.manager.get_blocks(name).blocks
+            hits = self.hit_upto.get(name, [0] * len(tables))
             for g, (table, f) in enumerate(zip(tables, upto)):
+                use_eagle = self.coordinator.single_type_managers[g].use_eagle
                 for p, block in enumerate(table):
                     if block.is_null:
                         continue
                     hashed = block.block_hash is not None
-                    assert hashed or p >= f or block.block_id in self.uncached_by_evict, (
+                    kept = p < hits[g] or is_hashed_by_caching(
+                        self.specs[g], p, alignment=alignment, retention_interval=interval,
+                        num_prompt_tokens=self.live[name].num_prompt_tokens,
+                        use_eagle=use_eagle)
+                    assert hashed or p >= f or not kept \
+                        or block.block_id in self.uncached_by_evict, (
                         f"INV-CACHE-1: block {block.block_id} at position {p} of {name}'s "
                         f"group {g} is full of computed tokens (vLLM has cached {f} "
                         "positions) but has no hash")
+                    assert kept or not hashed, (
+                        f"INV-CACHE-2: block {block.block_id} at position {p} of {name}'s "
+                        f"group {g} is hashed, but vLLM's mask (retention interval "
+                        f"{interval}, prompt {self.live[name].num_prompt_tokens} tokens, "
+                        f"hit {hits[g]} blocks) leaves that position out")
                     assert not hashed or p < f, (
                         f"INV-CACHE-1: block {block.block_id} at position {p} of {name}'s "
                         f"group {g} is cached, but vLLM caches only the first {f} positions")
@@ -589,8 +611,10 @@ class SchedulerPaths(SchedulerDrivesManager):
             self.chain_checked[name] = (len(req.block_hashes), parent)
 
 
-def _paths(name, specs, watermark=0.0, spare_blocks=2, **settings) -> SchedulerSettings:
-    model = ModelConfig(name, specs, watermark=watermark, spare_blocks=spare_blocks)
+def _paths(name, specs, watermark=0.0, spare_blocks=2, retention_interval=None,
+           **settings) -> SchedulerSettings:
+    model = ModelConfig(name, specs, watermark=watermark, spare_blocks=spare_blocks,
+                        retention_interval=retention_interval)
     return SchedulerSettings(model, **settings)
 
 
@@ -637,7 +661,33 @@ class FullAttentionTwoSeqs(SchedulerPaths):
     config = settings.model
 
 
+class WindowsRetainEvery12(SchedulerPaths):
+    """Full attention and two windows (4 and 7: one and two blocks per hit)
+    with a retention interval of 12 tokens: each window hashes only the tails
+    of every third block boundary and of the replay boundary. KV loads, chunks
+    cut at 6 tokens."""
+
+    settings = _paths("windows_retain_every_12",
+                      (FullAttentionSpec(4), SlidingWindowSpec(4, sliding_window=4),
+                       SlidingWindowSpec(4, sliding_window=7)),
+                      retention_interval=12, long_prefill_token_threshold=6,
+                      connector=True, spare_blocks=1)
+    config = settings.model
+
+
+class WindowRetainLatestOnly(SchedulerPaths):
+    """A window of 6 alone with retention interval 0: only the tail at the
+    replay boundary is hashed; FCFS, KV loads."""
+
+    settings = _paths("window_retain_latest",
+                      (SlidingWindowSpec(4, sliding_window=6),),
+                      retention_interval=0, connector=True)
+    config = settings.model
+
+
 TestWindowAtBlockEdges = WindowAtBlockEdges.TestCase
+TestWindowsRetainEvery12 = WindowsRetainEvery12.TestCase
+TestWindowRetainLatestOnly = WindowRetainLatestOnly.TestCase
 TestChunkedLocalPriority = ChunkedLocalPriority.TestCase
 TestHybridWindowsPriority = HybridWindowsPriority.TestCase
 TestFullAttentionTwoSeqs = FullAttentionTwoSeqs.TestCase

@@ -146,6 +146,16 @@ def test_a_shorter_prefix_is_an_extra_key_that_leaves_with_the_block():
     assert blocks[1].block_hash is None and blocks[1].block_hash_num_tokens is None
 
 
+def test_a_hash_set_from_outside_covers_an_unknown_length_so_the_entry_is_an_extra_key():
+    pool, req, blocks = two_block_pool()
+    outside = make_block_hash_with_group_id(bytes(32), 0)
+    blocks[1].set_block_hash(outside)                   # no num_tokens, as vLLM's tests do
+    pool.cached_block_hash_to_block.insert(outside, blocks[1])
+    pool.cache_partial_block(req, blocks[1], 10, 0, BS)
+    assert blocks[1].block_hash == outside
+    assert pool.cached_block_hashes_by_block == {blocks[1].block_id: [fine_key(req, 10)]}
+
+
 def test_filling_the_block_promotes_the_entry_to_the_full_key():
     pool, req, blocks = two_block_pool()
     pool.cache_partial_block(req, blocks[1], 10, 0, BS)
