@@ -69,12 +69,12 @@ __all__ = ["KVGatherBuffer", "PagedAttentionPlan", "fast_paged_attention"]
 
 # Requests gathered at once hold at most this many bytes of keys and values, so
 # SDPA reads them back from cache instead of memory (the gather is the only read
-# of the pool). Decode 32 x 1 over 1024, one thread, quiet machine: gathering the
-# whole batch, then SDPA, 1.9x dense SDPA (enable_gqa); 1-4 requests (2-8 MB) at
-# a time 1.36x, 16 MB at a time 1.94x (a prototype of this loop). On a loaded
-# machine (load 3-5) the cache is not ours between gather and SDPA: no gain, and
-# the loop's extra calls cost 0-10%.
-DEFAULT_CHUNK_BYTES = 8 << 20
+# of the pool). Decode, one thread, fast / dense SDPA (enable_gqa), whole batch
+# -> a request at a time: 32 x 1 over 1024 1.84-1.94 -> 1.71-1.75, 8 x 1 over 4096
+# 1.56-1.73 -> 1.58-1.65 (loaded machine, load 3-4); a quiet machine gave 1.9 ->
+# 1.36 (a prototype of this loop). 16 MB chunks gained nothing; the toy engine's
+# batches (~2-3 MB) stay one chunk.
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 class KVGatherBuffer:
@@ -270,6 +270,9 @@ class _Batch:
     # Prefills from position 0 under plain causal attention: the first q_len keys,
     # SDPA's own causal mask (it skips the blocks above the diagonal).
     is_causal: bool = False
+    # Per request, the gathered slots [a, b) its queries see (their ranges overlap
+    # or touch, so together they are one run); None for is_causal batches.
+    seen_runs: list[tuple[int, int]] | None = None
     # Chunk lists by requests per chunk, made by the first layer that asks (``_chunks``).
     chunks: dict[int, list[_Chunk]] = field(default_factory=dict, compare=False)
 
@@ -294,14 +297,16 @@ def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
                       .to(torch.int64), unseen=None, unseen_starts=None, attn_mask=None,
                       is_causal=True)
     # The table columns each request reads: the blocks of its keys [lo, hi).
-    first_col, last_col = [], []
+    first_col, last_col, seen_runs = [], [], []
     for seq_len in seq_lens:
         first = visible_key_range(seq_len - q_len, seq_len, causal, sliding_window,
                                   attention_chunk_size)
         last = visible_key_range(seq_len - 1, seq_len, causal, sliding_window,
                                  attention_chunk_size)
-        first_col.append(first.start // block_size)
-        last_col.append((max(last.stop, first.stop) - 1) // block_size)
+        lo, hi = first.start, max(last.stop, first.stop)
+        first_col.append(lo // block_size)
+        last_col.append((hi - 1) // block_size)
+        seen_runs.append((lo - first_col[-1] * block_size, hi - first_col[-1] * block_size))
     num_reqs = len(reqs)
     num_cols = max(b - a for a, b in zip(first_col, last_col)) + 1
     num_keys = num_cols * block_size
@@ -327,7 +332,7 @@ def _plan_batch(q_len: int, reqs: list[int], starts: list[int], lens: list[int],
     starts = torch.searchsorted(unseen, torch.arange(num_reqs + 1, device=device) * num_keys)
     return _Batch(q_len=q_len, num_reqs=num_reqs, num_keys=num_keys, rows=rows,
                   block_ids=block_ids, unseen=None if seen_all else unseen,
-                  unseen_starts=None if seen_all else starts.tolist(),
+                  unseen_starts=None if seen_all else starts.tolist(), seen_runs=seen_runs,
                   # A decode that sees every gathered key needs no mask.
                   attn_mask=None if seen_all and q_len == 1 else mask[:, None])
 
@@ -340,6 +345,7 @@ class _Chunk(NamedTuple):
     block_ids: torch.Tensor            # [(r1 - r0) * num_cols]
     unseen: torch.Tensor | None        # indices into the chunk's gathered slots to zero
     attn_mask: torch.Tensor | None     # [r1 - r0, 1, q_len, num_keys], or None
+    seen: slice | None                 # one request: the gathered slots to hand SDPA
 
 
 def _chunks(batch: _Batch, step: int) -> list[_Chunk]:
@@ -351,13 +357,23 @@ def _chunks(batch: _Batch, step: int) -> list[_Chunk]:
     chunks = []
     for r0 in range(0, batch.num_reqs, step):
         r1 = min(r0 + step, batch.num_reqs)
+        block_ids = batch.block_ids[r0 * cols:r1 * cols]
+        mask = None if batch.attn_mask is None else batch.attn_mask[r0:r1]
+        if r1 - r0 == 1 and batch.seen_runs is not None:
+            # One request: SDPA gets only the slots its queries see, so nothing is
+            # zeroed and a decode needs no mask (decode 32 x 1 over 1024, a request
+            # per chunk: 2 index_fill_ and SDPA's mask conversion less per request,
+            # ~0.25x of dense SDPA's time on the loaded machine).
+            a, b = batch.seen_runs[r0]
+            mask = None if batch.q_len == 1 or mask is None else mask[..., a:b]
+            chunks.append(_Chunk(r0, r1, block_ids, None, mask, slice(a, b)))
+            continue
         unseen = None
         if batch.unseen is not None:
             start, stop = batch.unseen_starts[r0], batch.unseen_starts[r1]
             if stop > start:
                 unseen = batch.unseen[start:stop] - r0 * batch.num_keys
-        chunks.append(_Chunk(r0, r1, batch.block_ids[r0 * cols:r1 * cols], unseen,
-                             None if batch.attn_mask is None else batch.attn_mask[r0:r1]))
+        chunks.append(_Chunk(r0, r1, block_ids, unseen, mask, None))
     batch.chunks[step] = chunks
     return chunks
 
@@ -401,6 +417,8 @@ def _attend_chunk(query: torch.Tensor, pool_keys: torch.Tensor, pool_values: tor
         keys, values = keys.to(query.dtype), values.to(query.dtype)
     k = keys.view(num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2)
     v = values.view(num_reqs, num_keys, num_kv_heads, head_size).transpose(1, 2)
+    if chunk.seen is not None:
+        k, v = k[:, :, chunk.seen], v[:, :, chunk.seen]
     q = query.view(num_reqs, q_len, num_heads, head_size)                # k, v: [n, Hk, K, D]
     if q_len == 1:
         # A decode reads every key once for its G query heads: they become G rows
