@@ -338,9 +338,13 @@ class BlockPool:
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop the block's hash and its partial entries from the index, one
         ``BlockRemoved`` per key, its hash first; True if any key was indexed."""
-        keys = [] if block.block_hash is None else [block.block_hash]
-        keys += self.cached_block_hashes_by_block.pop(block.block_id, [])
+        key = block.block_hash
+        extra = (self.cached_block_hashes_by_block.pop(block.block_id, None)
+                 if self.cached_block_hashes_by_block else None)
+        if key is None and extra is None:
+            return False  # never cached: the common case, on every allocation
         block.reset_hash()
+        keys = ([] if key is None else [key]) + (extra or [])
         removed = [key for key in keys
                    if self.cached_block_hash_to_block.pop(key, block.block_id) is not None]
         for key in removed:
