@@ -8,7 +8,7 @@ No vLLM counterpart (benchmark harness). One command::
 
 Sections:
 
-- ``traces``: the 220 recorded operation streams of ``tests/conformance``,
+- ``traces``: the 254 recorded operation streams of ``tests/conformance``,
   replayed as bare API calls (``replay.py``) per model class, kvref and vLLM
   alternating (A B A B ...), each run ``--passes`` replays of the class's
   traces; min/median/max per side, wall and process CPU time, and the ratio of

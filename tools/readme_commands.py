@@ -53,7 +53,7 @@ CHEAP: dict[str, tuple[str, str]] = {
         "this test is part of that run); here every test module must import and collect"),
     "python3 -m pytest tests/conformance": (
         "python3 -m pytest -q tests/conformance -k swa",
-        "one model class of the 220 traces (20 traces); the full run is part of CI's suite"),
+        "the classes named swa of the 254 traces; the full run is part of CI's suite"),
     "python3 -m pytest tests/stateful --hypothesis-profile=deep": (
         "python3 -m pytest -q tests/stateful --hypothesis-profile=deep "
         "-k 'gappy and full and not hybrid'",
