@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"  # vLLM reads the interval here
 MAX_TOKENS_DEFAULT = 1 << 20  # what the trace recorder gave requests without max_tokens
 
 
@@ -114,8 +113,9 @@ class VLLMSide:
         tools = str(Path(__file__).resolve().parent.parent / "tools")
         if tools not in sys.path:
             sys.path.insert(0, tools)
-        from record_vllm_traces import let_sink_manager_take_scheduler_block_size
+        from record_vllm_traces import VllmReplayer, let_sink_manager_take_scheduler_block_size
         let_sink_manager_take_scheduler_block_size(SinkFullAttentionManager)
+        self._replayer = VllmReplayer
         # A running engine caches its environment switches once started
         # (EngineCore calls this); without it every event hash re-reads os.environ.
         from vllm import envs
@@ -133,29 +133,6 @@ class VLLMSide:
         # kvref's reader: torch is what both Requests take).
         from kvref.verify.trace_replay import prompt_embeds_tensor
         self._prompt_embeds = prompt_embeds_tensor
-
-    def _spec(self, group: dict):
-        kvi, kind, bs = self._kvi, group["kind"], group["block_size"]
-        heads = dict(block_size=bs, num_kv_heads=group.get("num_kv_heads", 1),
-                     head_size=group.get("head_size", 1), dtype=self._torch_dtype)
-        if kind == "full":
-            return kvi.FullAttentionSpec(**heads)
-        if kind == "rswa":
-            return kvi.RSWASpec(**heads, rswa_window=group["rswa_window"])
-        if kind == "sink_full":
-            return kvi.SinkFullAttentionSpec(**heads, sink_len=group["sink_len"])
-        if kind == "sliding_window":
-            return kvi.SlidingWindowSpec(**heads, sliding_window=group["sliding_window"])
-        if kind == "chunked_local":
-            return kvi.ChunkedLocalAttentionSpec(
-                **heads, attention_chunk_size=group["attention_chunk_size"])
-        if kind == "mamba":
-            return kvi.MambaSpec(block_size=bs, shapes=((1,),), dtypes=(self._torch_dtype,),
-                                 mamba_cache_mode=group["mamba_cache_mode"],
-                                 num_speculative_blocks=group.get("num_speculative_blocks", 0))
-        if kind == "cross_attention":
-            return kvi.CrossAttentionSpec(**heads)
-        raise ValueError(f"unknown group kind {kind!r}")
 
     def _build(self, num_blocks: int, groups: list, manager_kwargs: dict, hash_fn,
                seed: str | None, use_hasher: bool) -> Built:
@@ -177,33 +154,24 @@ class VLLMSide:
                      pin_none_hash)
 
     def from_header(self, header: dict) -> Built:
-        kvi, m, hashing = self._kvi, header["manager"], header["hash"]
-        groups = [kvi.KVCacheGroupSpec(g.get("layer_names", [f"layer.{i}"]), self._spec(g),
-                                       is_eagle_group=g.get("is_eagle_group", False))
-                  for i, g in enumerate(header["groups"])]
-        kwargs = dict(max_model_len=m["max_model_len"],
-                      scheduler_block_size=m["scheduler_block_size"],
-                      hash_block_size=m["hash_block_size"],
-                      max_num_batched_tokens=m.get("max_num_batched_tokens"),
-                      enable_caching=m["enable_caching"], use_eagle=m.get("use_eagle", False),
-                      log_stats=m.get("log_stats", False),
-                      enable_kv_cache_events=m.get("enable_kv_cache_events", False),
-                      watermark=m.get("watermark", 0.0))
-        # vLLM's coordinator reads the retention interval from its environment
-        # once, when built: set it (or clear it) around the build only.
-        retention = header.get("prefix_cache_retention_interval")
+        """vLLM's manager built from a trace header by the recorder's own
+        ``VllmReplayer`` (``tools/record_vllm_traces.py``): the same specs,
+        retention interval and sink fix the traces were recorded with."""
+        # The replayer sets the retention variable around the build, and vLLM's
+        # coordinator reads it then: the environment cache is off meanwhile.
         self._envs.disable_envs_cache()
-        if retention is None:
-            os.environ.pop(RETENTION_ENV, None)
-        else:
-            os.environ[RETENTION_ENV] = str(retention)
         try:
-            return self._build(header["num_blocks"], groups, kwargs,
-                               self._hash_fns[hashing["algo"]], hashing.get("none_hash_seed"),
-                               hashing.get("block_hasher", m["enable_caching"]))
+            replayer = self._replayer(header)
         finally:
-            os.environ.pop(RETENTION_ENV, None)
             self._envs.enable_envs_cache()
+        none_hash, utils = replayer.none_hash, self._utils
+
+        def pin_none_hash() -> None:
+            utils.NONE_HASH = none_hash
+
+        return Built(replayer.manager, self._status,
+                     functools.partial(self._request_factory, replayer.block_hasher),
+                     pin_none_hash)
 
     def _request_factory(self, block_hasher, op: dict) -> Callable:
         Request, SamplingParams, LoRARequest, MultiModalFeatureSpec, PlaceholderRange = \
