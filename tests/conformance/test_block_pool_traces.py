@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ from kvref.core.block_pool import BlockPool
 from kvref.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from kvref.hashing import sha256
 from kvref.request import LoRARequest, Request
+
+# Events are written as the recorder wrote vLLM's (one function for both sides).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from record_block_pool_traces import event_json  # noqa: E402
 
 TRACES = sorted((Path(__file__).parent / "block_pool_traces").glob("*.json"))
 
@@ -50,22 +55,6 @@ def load(path: Path) -> dict:
 
 def short_key(key: bytes) -> str:
     return f"{key[:8].hex()}/{ku.get_group_id(key)}"
-
-
-def event_json(event) -> dict:
-    kind = type(event).__name__
-    if kind == "BlockStored":
-        return {"type": kind, "block_hashes": list(event.block_hashes),
-                "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
-                "block_size": event.block_size, "lora_id": event.lora_id,
-                "lora_name": event.lora_name, "medium": event.medium,
-                "extra_keys": (None if event.extra_keys is None else
-                               [None if k is None else list(k) for k in event.extra_keys]),
-                "group_idx": event.group_idx}
-    if kind == "BlockRemoved":
-        return {"type": kind, "block_hashes": list(event.block_hashes),
-                "medium": event.medium, "group_idx": event.group_idx}
-    return {"type": kind}
 
 
 def removals_as_multisets(events: list[dict]) -> list:
