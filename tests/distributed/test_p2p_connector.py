@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
@@ -41,12 +42,17 @@ def pair(**producer_extra) -> tuple[MiniEngine, MiniEngine]:
     return producer, consumer
 
 
-def steps_until(engine: MiniEngine, done, limit: int = 2000) -> None:
-    for _ in range(limit):
+def steps_until(engine: MiniEngine, done, timeout_s: float = 60.0) -> None:
+    """Step until ``done()``. The blocks arrive on the connector's own threads,
+    so the bound is wall-clock time, not a step count (2,000 quick steps could
+    end before a loaded machine had run the transfer)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         engine.step([])
         if done():
             return
-    raise AssertionError("the transfer did not end")
+        time.sleep(0.001)
+    raise AssertionError(f"the transfer did not end within {timeout_s:.0f} s")
 
 
 def test_a_prefill_moves_block_by_block_into_the_decode_engines_blocks():
