@@ -36,6 +36,18 @@ class Built:
     pin_none_hash: Callable[[], None]            # re-seed the hash chain for this trace
 
 
+def built_from_replayer(replayer, status, utils, request_factory) -> Built:
+    """What a side built, from a replayer that built the manager from a header
+    (kvref's ``TraceReplayer`` or the recorder's ``VllmReplayer``)."""
+    none_hash = replayer.none_hash
+
+    def pin_none_hash() -> None:
+        utils.NONE_HASH = none_hash
+
+    return Built(replayer.manager, status,
+                 functools.partial(request_factory, replayer.block_hasher), pin_none_hash)
+
+
 class KvrefSide:
     """kvref, built the way ``kvref.verify.trace_replay`` builds it."""
 
@@ -54,14 +66,7 @@ class KvrefSide:
 
     def from_header(self, header: dict) -> Built:
         replayer = self._replayer(header)  # manager, block hasher, seeded NONE_HASH
-        none_hash, utils = replayer.none_hash, self._utils
-
-        def pin_none_hash() -> None:
-            utils.NONE_HASH = none_hash
-
-        return Built(replayer.manager, self._status,
-                     functools.partial(self._request_factory, replayer.block_hasher),
-                     pin_none_hash)
+        return built_from_replayer(replayer, self._status, self._utils, self._request_factory)
 
     def _request_factory(self, block_hasher, op: dict) -> Callable:
         Request, LoRARequest, MultiModalFeatureSpec, PlaceholderRange = self._types
@@ -164,14 +169,7 @@ class VLLMSide:
             replayer = self._replayer(header)
         finally:
             self._envs.enable_envs_cache()
-        none_hash, utils = replayer.none_hash, self._utils
-
-        def pin_none_hash() -> None:
-            utils.NONE_HASH = none_hash
-
-        return Built(replayer.manager, self._status,
-                     functools.partial(self._request_factory, replayer.block_hasher),
-                     pin_none_hash)
+        return built_from_replayer(replayer, self._status, self._utils, self._request_factory)
 
     def _request_factory(self, block_hasher, op: dict) -> Callable:
         Request, SamplingParams, LoRARequest, MultiModalFeatureSpec, PlaceholderRange = \
