@@ -118,7 +118,8 @@ CATALOGUE: list[SeededBug] = [
     SeededBug("reuse-keeps-hash",
               "a cached block handed out again keeps its old hash and index entry",
               "kvref/core/block_pool.py",
-              "            if self.enable_caching:\n"
+              "            if self.enable_caching and (block.block_hash is not None\n"
+              "                                        or self.cached_block_hashes_by_block):\n"
               "                self._maybe_evict_cached_block(block)\n",
               ""),
     SeededBug("hybrid-one-pass",

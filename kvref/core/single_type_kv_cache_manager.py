@@ -189,7 +189,7 @@ class SingleTypeKVCacheManager:
     def _remember_new_blocks(self, blocks: list[KVCacheBlock]) -> None:
         # vLLM reports fresh blocks for zeroing only for plain full attention.
         if type(self.kv_cache_spec) is FullAttentionSpec:
-            self.new_block_ids.extend(b.block_id for b in blocks)
+            self.new_block_ids.extend([b.block_id for b in blocks])
 
     def take_new_block_ids(self) -> list[int]:
         """Block ids allocated since the last call (then forgotten)."""
