@@ -42,6 +42,7 @@ from kvref.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     generate_block_hash_extra_keys,
+    has_extra_keys,
     get_block_hash,
     get_group_id,
     int_block_hashes_enabled,
@@ -299,12 +300,15 @@ class BlockPool:
     def _emit_block_stored(self, request: Request, hashes: Sequence[BlockHash],
                            stored: list[int], first: int, end: int, block_size: int,
                            group_id: int) -> None:
-        extra_keys = []
-        mm_idx = 0
-        for i in stored:
-            keys, mm_idx = generate_block_hash_extra_keys(
-                request, i * block_size, (i + 1) * block_size, mm_idx)
-            extra_keys.append(keys)
+        if has_extra_keys(request):
+            extra_keys = []
+            mm_idx = 0
+            for i in stored:
+                keys, mm_idx = generate_block_hash_extra_keys(
+                    request, i * block_size, (i + 1) * block_size, mm_idx)
+                extra_keys.append(keys)
+        else:
+            extra_keys = [None] * len(stored)  # what the loop would give, without it
         lora = request.lora_request
         self.kv_event_queue.append(BlockStored(
             block_hashes=[maybe_convert_block_hash(hashes[i], self._int_event_hashes)

@@ -211,7 +211,10 @@ class KVCacheCoordinator(ABC):
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         """All groups' blocks concatenated, each in table order."""
-        return [b for m in self.single_type_managers for b in m.pop_blocks_for_free(request_id)]
+        blocks: list[KVCacheBlock] = []
+        for manager in self.single_type_managers:
+            blocks.extend(manager.pop_blocks_for_free(request_id))
+        return blocks
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [m.get_num_common_prefix_blocks(running_request_id)

@@ -408,7 +408,10 @@ class KVCacheManager:
 
     def take_new_block_ids(self) -> list[int]:
         """Full-attention blocks allocated since the last call (to be zeroed)."""
-        return [i for m in self.coordinator.single_type_managers for i in m.take_new_block_ids()]
+        ids: list[int] = []
+        for manager in self.coordinator.single_type_managers:
+            ids.extend(manager.take_new_block_ids())   # one extend per group, not a loop per id
+        return ids
 
     def new_step_starts(self) -> None:
         """The scheduler starts a step (Mamba: this step's cached states become hittable)."""

@@ -21,6 +21,7 @@ from kvref.attention import (
     paged_attention,
 )
 from kvref.attention.fast_paged_attention import DEFAULT_CHUNK_BYTES
+from kvref.attention.paged_attention import visible_key_range
 from kvref.math_utils import cdiv
 
 from .driver import DEVICES, Run, chunk_of, nan_outside, window_of
@@ -140,6 +141,37 @@ def test_a_batch_is_gathered_as_many_requests_at_a_time_as_fit_in_max_bytes():
     torch.testing.assert_close(got, paged_attention(query, cache, **batch), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="max_bytes must be a positive int or None, got 0"):
         KVGatherBuffer(max_bytes=0)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(sliding_window=3),
+                                     dict(attention_chunk_size=4)])
+@pytest.mark.parametrize("max_bytes", [None, 1])
+def test_requests_of_one_length_share_a_mask_and_still_see_only_their_slots(options,
+                                                                              max_bytes):
+    """Three chunks of 5 queries over the same 14 tokens share one planned mask; a
+    fourth of 5 queries over 11 tokens in the same batch gets its own. Every slot
+    no query may read is NaN, so a wrong shared row or a missed zeroing shows."""
+    seq_lens = [14, 14, 11, 14]
+    query, cache, batch = _random_batch(4, [5] * 4, seq_lens)
+    want = paged_attention(query, cache, **batch, **options)
+    for r, n in enumerate(seq_lens):
+        row = batch["block_table"][r]
+        for pos in range(16):
+            first_query = n - 5
+            readable = any(pos in paged_attention_visible(q, n, **options)
+                           for q in range(first_query, n))
+            if not readable:
+                cache[row[pos // 4], :, pos % 4] = float("nan")
+    got = fast_paged_attention(query, cache, **batch, **options,
+                               buffer=KVGatherBuffer(max_bytes=max_bytes))
+    assert torch.isfinite(got[:20]).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def paged_attention_visible(q_pos: int, seq_len: int, sliding_window=None,
+                            attention_chunk_size=None) -> range:
+    """The key positions a causal query at ``q_pos`` reads (the reference's rules)."""
+    return visible_key_range(q_pos, seq_len, True, sliding_window, attention_chunk_size)
 
 
 def test_one_buffer_serves_batches_of_any_size():
