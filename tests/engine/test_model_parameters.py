@@ -81,3 +81,22 @@ def test_every_parameter_loads_from_a_checkpoint_folder(tmp_path, arch, tie):
     assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tie
     outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert_matches_transformers(model, prompts, outputs, 4)
+
+
+def test_mlp_in_place_under_inference_equals_the_autograd_path():
+    # GatedMLP overwrites its fused gate|up output in place when autograd is off; with
+    # autograd on it keeps the out-of-place ops (backward needs gate). Same values.
+    from kvref.engine.model import GatedMLP, ModelConfig
+    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=16,
+                         intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8)
+    torch.manual_seed(0)
+    mlp = GatedMLP(config)
+    x = torch.randn(5, 16)
+    with_grad = mlp(x)
+    assert with_grad.requires_grad
+    with_grad.sum().backward()                       # the out-of-place path differentiates
+    assert mlp.gate_up_proj.weight.grad is not None
+    with torch.inference_mode():
+        in_place = mlp(x)
+    assert torch.equal(in_place, with_grad.detach())
