@@ -10,14 +10,14 @@ the same queries, keys and values laid out densely (one contiguous ``[batch,
 heads, seq, head_size]`` tensor, no paging), in two forms: keys repeated per
 query head with a boolean mask (what ``transformers``' SDPA attention does
 when a mask is given, ``repeat_kv``), and keys not repeated (``enable_gqa``).
-The runs alternate (reference, fast, dense, dense GQA, reference, ...);
+The runs alternate (reference, fast, dense, dense GQA, dense GQA, dense, ...);
 medians of process CPU time on the CPU (the wall clock also times the other
 jobs of a shared machine; both are kept in the JSON), wall time with a
 synchronise on CUDA. Each row also reports the largest difference from dense
 (a benchmark, not a test: the tests are in ``tests/tensor``).
 
     python benchmarks/attention.py                   # every case, every device
-    python benchmarks/attention.py --device cpu --repeats 5
+    python benchmarks/attention.py --device cpu --repeats 6
 """
 
 from __future__ import annotations
@@ -55,13 +55,15 @@ def _clock(device: str) -> tuple[float, float]:
 
 def time_alternated(fns: dict, device: str, repeats: int) -> dict[str, dict[str, float]]:
     """Median wall and CPU seconds of each function, run in turn ``repeats`` times
-    (a, b, c, a, b, c, ...) after one warm-up each."""
+    after one warm-up each, the order reversed every other time (a, b, c, c, b,
+    a, ...: no function always runs right after the same other one)."""
     for fn in fns.values():
         fn()
     wall = {name: [] for name in fns}
     cpu = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for r in range(repeats):
+        order = list(fns.items())
+        for name, fn in (order if r % 2 == 0 else order[::-1]):
             w0, c0 = _clock(device)
             fn()
             w1, c1 = _clock(device)
@@ -185,7 +187,7 @@ def table(rows: list[dict], repeats: int) -> str:
     return "\n".join(lines)
 
 
-def run_for_report(repeats: int = 5, threads: int = 1) -> tuple[str, list[dict]]:
+def run_for_report(repeats: int = 6, threads: int = 1) -> tuple[str, list[dict]]:
     """``(Markdown table, rows)``; ImportError when torch or kvref.attention is missing."""
     import kvref.attention  # noqa: F401  (ImportError: the tensor side is not installed)
     use_threads(threads)
@@ -196,7 +198,7 @@ def run_for_report(repeats: int = 5, threads: int = 1) -> tuple[str, list[dict]]
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", action="append", help="cpu, cuda (default: all present)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads for both sides (default: %(default)s)")
     args = parser.parse_args(argv)
