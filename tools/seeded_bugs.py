@@ -357,7 +357,7 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
               "the slot-mapping buffer is not reset, so a shorter step leaves the "
               "previous step's slots in its tail",
               "kvref/worker/block_table.py",
-              "        self.slot_mapping.fill_(PAD_SLOT_ID)\n",
+              "        self.slot_mapping[n:] = PAD_SLOT_ID\n",
               "", kind="buffers"),
     SeededBug("block-table-floor-width",
               "rows hold max_model_len // block_size blocks, not cdiv",
@@ -379,8 +379,10 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
               "with split kernel blocks, the slot offset is taken modulo the manager's "
               "block size",
               "kvref/worker/block_table.py",
-              "                     + p % self.block_size)",
-              "                     + p % self.kv_manager_block_size)", kind="edges"),
+              "slots.append(row[block_idx] * self.block_size + p % self.block_size)",
+              "slots.append(row[block_idx] * self.block_size\n"
+              "                             + p % (self.block_size * self.blocks_per_kv_block))",
+              kind="edges"),
     SeededBug("kernel-blocks-interleaved",
               "a manager block b splits into kernel blocks b, b + k, ... instead of "
               "b*k .. b*k + k - 1",
@@ -422,16 +424,16 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
               "fast path: key positions follow the clamped columns, so a shorter "
               "request's repeated last block is attended twice",
               "kvref/attention/fast_paged_attention.py",
-              "    k_pos = first_t[:, None] * block_size + torch.arange(num_keys, device=device)"
-              "  # [R, K]",
-              "    k_pos = (cols[:, :, None] * block_size\n"
-              "             + torch.arange(block_size, device=device)).reshape(num_reqs, -1)",
+              "    k_pos = first_t[:mask_reqs, None] * block_size + torch.arange(num_keys, "
+              "device=device)",
+              "    k_pos = (cols[:mask_reqs, :, None] * block_size\n"
+              "             + torch.arange(block_size, device=device)).reshape(mask_reqs, -1)",
               kind="buffers"),
     SeededBug("fast-decode-unmasked",
               "fast path: a decode batch is run without its mask",
               "kvref/attention/fast_paged_attention.py",
-              "attn_mask=None if seen_all and q_len == 1 else mask[:, None])",
-              "attn_mask=None if q_len == 1 else mask[:, None])", kind="kernel"),
+              "attn_mask=None if seen_all and q_len == 1 else mask[:, None],",
+              "attn_mask=None if q_len == 1 else mask[:, None],", kind="kernel"),
     SeededBug("cascade-prefix-not-capped",
               "the cascade prefix is not capped by the batch's least context length",
               "kvref/attention/cascade.py",
@@ -467,8 +469,8 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
     SeededBug("qk-norm-shared",
               "Qwen3's keys are normalised with the query norm's weights",
               "kvref/engine/model.py",
-              "            q, k = self.q_norm(q), self.k_norm(k)",
-              "            q, k = self.q_norm(q), self.q_norm(k)", kind="weights"),
+              "self.k_norm(qk[:, heads:])",
+              "self.q_norm(qk[:, heads:])", kind="weights"),
     SeededBug("mlp-reads-input-norm",
               "the MLP reads the input layernorm instead of the post-attention one",
               "kvref/engine/model.py",
@@ -519,8 +521,8 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
     SeededBug("sampler-multiplies-temperature",
               "sampling multiplies the logits by the temperature instead of dividing",
               "kvref/engine/model_runner.py",
-              "probs = torch.softmax(logits / params.temperature, dim=-1)",
-              "probs = torch.softmax(logits * params.temperature, dim=-1)", kind="engine"),
+              "probs = torch.softmax(logits[rows] / params.temperature, dim=-1)",
+              "probs = torch.softmax(logits[rows] * params.temperature, dim=-1)", kind="engine"),
     SeededBug("seq-len-without-context",
               "a request's seq_len is its query length (the context is not attended)",
               "kvref/engine/model_runner.py",
