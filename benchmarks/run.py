@@ -3,7 +3,7 @@
 No vLLM counterpart (benchmark harness). One command::
 
     python benchmarks/run.py                        # everything, vLLM if found
-    python benchmarks/run.py traces --repeats 5     # one section
+    python benchmarks/run.py traces --repeats 10    # one section
     python benchmarks/run.py --no-vllm              # kvref alone
 
 Sections:
@@ -125,6 +125,13 @@ TRACE_MODES = {
     "calls": "every recorded call timed, Request(...) construction included",
     "prebuilt": "requests built before the clock starts: the manager's calls alone",
 }
+
+
+# Many short runs, not a few long ones: this shared machine's speed changed by up
+# to 2x from one run to the next (30 runs of 2 passes against 6 of 10, the same
+# replays in all: the 30 ratios of one run 0.82-1.14 -> 0.84-0.96).
+TRACE_REPEATS = 30
+SCALING_REPEATS = 6
 
 
 def in_turn(workers: dict[str, Worker], repeat: int) -> list[tuple[str, Worker]]:
@@ -327,10 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                         help="python that can import vllm 0.25.1 (default: %(default)s)")
     parser.add_argument("--no-vllm", action="store_true", help="run kvref alone")
-    parser.add_argument("--repeats", type=int, default=6,
-                        help="alternated runs per side (even: each side goes first as often)")
-    parser.add_argument("--passes", type=int, default=10,
-                        help="replays of a class's traces per run (traces section)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"alternated runs per side (default: {TRACE_REPEATS} for "
+                             f"traces, {SCALING_REPEATS} for scaling; keep it even, so that "
+                             "each side goes first as often)")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="replays of a class's traces per run (traces section; "
+                             "default: %(default)s)")
     parser.add_argument("--classes", default="", help="comma-separated trace classes")
     parser.add_argument("--modes", default="calls,prebuilt",
                         help=f"trace modes: {', '.join(TRACE_MODES)}")
@@ -420,9 +430,10 @@ def run_traces_section(args, workers, results: dict, markdown: list[str]) -> Non
     classes = ([c for c in args.classes.split(",") if c] or
                sorted(p.name for p in TRACES.iterdir() if p.is_dir()))
     modes = [m for m in args.modes.split(",") if m]
-    print(f"\n== traces: {len(classes)} classes, {args.repeats} alternated runs of "
+    repeats = args.repeats or TRACE_REPEATS
+    print(f"\n== traces: {len(classes)} classes, {repeats} alternated runs of "
           f"{args.passes} passes, modes {modes}")
-    results["traces"] = run_traces(workers, classes, args.repeats, args.passes, modes)
+    results["traces"] = run_traces(workers, classes, repeats, args.passes, modes)
     for mode in modes:
         table = traces_table(results["traces"][mode], "vllm" in workers)
         title = (f"Recorded traces, mode `{mode}` ({TRACE_MODES[mode]}); ms per pass "
@@ -444,7 +455,8 @@ def run_ops_section(args, workers) -> None:
 def run_scaling_section(args, workers, results: dict, markdown: list[str]) -> None:
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     print(f"\n== scaling: pools of {sizes} blocks, {args.requests} requests per run")
-    results["scaling"] = run_scaling(workers, sizes, args.repeats, args.requests)
+    results["scaling"] = run_scaling(workers, sizes, args.repeats or SCALING_REPEATS,
+                                     args.requests)
     table = scaling_table(results["scaling"], sizes)
     print(table)
     markdown += ["", "### Per-call cost vs pool size (median of runs)", "", table]

@@ -801,6 +801,8 @@ class MambaManager(SingleTypeKVCacheManager):
     def cache_blocks(self, request: Request, num_tokens: int,
                      retention_interval: int | None = None) -> None:
         before = self.num_cached_block.get(request.request_id, 0)
+        if num_tokens // self.block_size <= before:
+            return  # no state completed since the last call: most decode steps
         super().cache_blocks(request, num_tokens, retention_interval=retention_interval)
         after = self.num_cached_block.get(request.request_id, 0)
         # Skipped states (null, or left out by the retention mask) carry no hash.
