@@ -147,10 +147,8 @@ CATALOGUE: list[SeededBug] = [
     SeededBug("null-block-freed",
               "the null block is put into the free queue when its count drops to 0",
               "kvref/core/block_pool.py",
-              "            if block.ref_cnt == 0 and not block.is_null:\n"
-              "                (uncached if",
-              "            if block.ref_cnt == 0:\n"
-              "                (uncached if"),
+              "            if block.ref_cnt > 0 or block.is_null:\n",
+              "            if block.ref_cnt > 0:\n"),
     SeededBug("swa-run-too-short",
               "a sliding-window hit needs one block fewer than the window reads",
               "kvref/core/single_type_kv_cache_manager.py",

@@ -389,9 +389,11 @@ class BlockPool:
         uncached, cached, over_freed = [], [], []
         for block in blocks:
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt > 0 or block.is_null:
+                continue  # still held by another request (a shared prefix): one test
+            if block.ref_cnt == 0:
                 (uncached if block.block_hash is None else cached).append(block)
-            elif block.ref_cnt < 0 and not block.is_null:
+            else:
                 over_freed.append(block.block_id)
         # Over-freeing is found in the same pass and undone: counting each
         # block's copies up front (a Counter) cost more than the free itself.
