@@ -369,8 +369,9 @@ def _chunks(batch: _Batch, step: int) -> list[_Chunk]:
     for r0 in range(0, batch.num_reqs, step):
         r1 = min(r0 + step, batch.num_reqs)
         block_ids = batch.block_ids[r0 * cols:r1 * cols]
-        mask = None if batch.attn_mask is None else \
-            batch.attn_mask[:1] if batch.shared_mask else batch.attn_mask[r0:r1]
+        mask = batch.attn_mask
+        if mask is not None:               # a shared mask: one request's, broadcast by SDPA
+            mask = mask[:1] if batch.shared_mask else mask[r0:r1]
         if r1 - r0 == 1 and batch.seen_runs is not None:
             # One request: SDPA gets only the slots its queries see, so nothing is
             # zeroed and a decode needs no mask (decode 32 x 1 over 1024, a request

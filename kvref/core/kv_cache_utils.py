@@ -361,8 +361,7 @@ def generate_block_hash_extra_keys(request: Request, start_token_idx: int, end_t
     keys.extend(mm_keys)
     if start_token_idx == 0 and request.cache_salt:
         keys.append(request.cache_salt)
-    if getattr(request, "prompt_embeds", None) is not None:
-        keys.extend(_prompt_embeds_extra_keys(request, start_token_idx, end_token_idx))
+    keys.extend(_prompt_embeds_extra_keys(request, start_token_idx, end_token_idx))
     return (tuple(keys) if keys else None), next_mm_idx
 
 

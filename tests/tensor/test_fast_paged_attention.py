@@ -157,21 +157,14 @@ def test_requests_of_one_length_share_a_mask_and_still_see_only_their_slots(opti
     for r, n in enumerate(seq_lens):
         row = batch["block_table"][r]
         for pos in range(16):
-            first_query = n - 5
-            readable = any(pos in paged_attention_visible(q, n, **options)
-                           for q in range(first_query, n))
+            readable = any(pos in visible_key_range(q, n, True, **options)
+                           for q in range(n - 5, n))
             if not readable:
                 cache[row[pos // 4], :, pos % 4] = float("nan")
     got = fast_paged_attention(query, cache, **batch, **options,
                                buffer=KVGatherBuffer(max_bytes=max_bytes))
     assert torch.isfinite(got[:20]).all()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-
-
-def paged_attention_visible(q_pos: int, seq_len: int, sliding_window=None,
-                            attention_chunk_size=None) -> range:
-    """The key positions a causal query at ``q_pos`` reads (the reference's rules)."""
-    return visible_key_range(q_pos, seq_len, True, sliding_window, attention_chunk_size)
 
 
 def test_one_buffer_serves_batches_of_any_size():
