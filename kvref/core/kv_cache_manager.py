@@ -87,6 +87,8 @@ class KVCacheBlocks:
 class AllocateSlotsGates:
     """The numbers the last ``allocate_slots`` call weighed, step by step (kvref
     only: ``kvref explain`` reads them, so it never re-derives the gates).
+    Kept in ``KVCacheManager.last_allocate_slots`` while the manager's
+    ``record_allocate_slots`` is True.
 
     A field the call did not reach stays None (``num_freed_blocks``: 0).
     """
@@ -163,7 +165,13 @@ class KVCacheManager:
         # The one "no blocks" answer. allocate_slots recognises it by identity,
         # as vLLM's scheduler relies on.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        # Set record_allocate_slots to find each call's gates in
+        # last_allocate_slots (kvref explain does). Unrecorded, they go to one
+        # scratch record that nobody reads: a fresh record per call cost ~3% of
+        # a trace replay (benchmarks/README.md).
+        self.record_allocate_slots = False
         self.last_allocate_slots: AllocateSlotsGates | None = None
+        self._unrecorded_gates = AllocateSlotsGates(0, 0)
 
     @property
     def usage(self) -> float:
@@ -278,7 +286,11 @@ class KVCacheManager:
                                                      RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
         num_free_blocks = self.block_pool.get_num_free_blocks()
-        gates = self.last_allocate_slots = AllocateSlotsGates(watermark_blocks, num_free_blocks)
+        if self.record_allocate_slots:
+            gates = self.last_allocate_slots = AllocateSlotsGates(watermark_blocks,
+                                                                  num_free_blocks)
+        else:
+            gates = self._unrecorded_gates
 
         # 2. The full-sequence gate (nothing freed yet).
         if full_sequence_must_fit:

@@ -228,23 +228,31 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """Put a block at the tail (evicted last). O(1)."""
-        self._insert_after(self.fake_free_list_tail.prev_free_block, [block])
+        self._insert_after(self.fake_free_list_tail.prev_free_block, [block], check=True)
 
-    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put blocks at the tail, keeping their order. O(len(blocks))."""
-        self._insert_after(self.fake_free_list_tail.prev_free_block, blocks)
+    def append_n(self, blocks: Sequence[KVCacheBlock], check: bool = True) -> None:
+        """Put blocks at the tail, keeping their order. O(len(blocks)).
 
-    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put blocks at the head, keeping their order. O(len(blocks))."""
-        self._insert_after(self.fake_free_list_head, blocks)
+        ``check``: ``RuntimeError``, queue unchanged, if a block is queued
+        already. ``BlockPool.free_blocks`` passes False: the blocks it queues
+        were held until that call, and a held block is never queued (INV-QUEUE-4).
+        """
+        self._insert_after(self.fake_free_list_tail.prev_free_block, blocks, check)
 
-    def _insert_after(self, anchor: KVCacheBlock, blocks: Sequence[KVCacheBlock]) -> None:
+    def prepend_n(self, blocks: Sequence[KVCacheBlock], check: bool = True) -> None:
+        """Put blocks at the head, keeping their order. O(len(blocks)).
+        ``check`` as in ``append_n``."""
+        self._insert_after(self.fake_free_list_head, blocks, check)
+
+    def _insert_after(self, anchor: KVCacheBlock, blocks: Sequence[KVCacheBlock],
+                      check: bool) -> None:
         if not blocks:
-            return  # the common case: one of free_blocks' two lists is usually empty
-        # Check every block before linking any: a failure leaves the queue intact.
-        for block in blocks:
-            if block.prev_free_block is not None or block.next_free_block is not None:
-                raise RuntimeError(f"block {block.block_id} is already in the free queue")
+            return
+        if check:
+            # Every block before linking any: a failure leaves the queue intact.
+            for block in blocks:
+                if block.prev_free_block is not None or block.next_free_block is not None:
+                    raise RuntimeError(f"block {block.block_id} is already in the free queue")
         after = anchor.next_free_block
         for block in blocks:
             anchor.next_free_block = block

@@ -130,6 +130,8 @@ class TracePlayer:
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceError(f"cannot build a manager from the trace header: "
                              f"{type(exc).__name__}: {exc}") from None
+        # The pictures tell allocate_slots' gates as the manager weighed them.
+        self.replayer.manager.record_allocate_slots = True
         self.position = 0
         self.facts: list[OpFacts] = []
         self.history: list[StepStats] = []
