@@ -65,7 +65,7 @@ class KVCacheBlocks:
         """Block ids per group; ``None`` instead of all-empty when ``allow_none``."""
         if allow_none and not any(self.blocks):
             return None
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([[b.block_id for b in group] for group in self.blocks])
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of the blocks without a hash (single-group configs only)."""

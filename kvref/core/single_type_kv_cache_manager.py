@@ -126,6 +126,8 @@ class SingleTypeKVCacheManager:
         num_skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_local = len(new_computed_blocks) + num_held
         num_new = max(num_required - max(num_skipped, num_local), 0)
+        if not new_computed_blocks:
+            return num_new  # no hit: no generator to build (~0.5 µs of ~2 per call)
         # Hit blocks inside the skipped range are never touched.
         first_kept_hit = max(0, num_skipped - num_held)
         num_evictable = sum(1 for b in new_computed_blocks[first_kept_hit:]
@@ -704,6 +706,8 @@ class MambaManager(SingleTypeKVCacheManager):
         if num_new > 0:
             num_new = 1 if request_id in self._allocated_block_reqs \
                 else 1 + self.num_speculative_blocks
+        if not new_computed_blocks:
+            return num_new  # no hit: no generator to build, as in the base class
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new + num_evictable
 
