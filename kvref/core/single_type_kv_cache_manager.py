@@ -266,8 +266,8 @@ class SingleTypeKVCacheManager:
         tokens can include external ones): it is cut at the table's end. A
         request without a table has nothing to free and is given none (R-SWA's
         gap call on a request whose allocation failed leaves no trace, as in vLLM)."""
-        if request_id not in self.req_to_blocks:
-            return
+        if first_block >= last_block or request_id not in self.req_to_blocks:
+            return  # an empty range: most window steps free nothing
         blocks = self.req_to_blocks[request_id]
         freed = []
         for i in range(min(last_block, len(blocks)) - 1, first_block - 1, -1):
