@@ -117,3 +117,41 @@ def test_the_default_outputs_are_untracked():
     assert args.json is None and args.markdown is None
     ignored = [line.strip().rstrip("/") for line in (ROOT / ".gitignore").read_text().splitlines()]
     assert args.plot.parent.relative_to(ROOT).as_posix() in ignored
+
+
+def test_one_process_alternates_both_sides_over_every_trace(monkeypatch):
+    import one_process
+    timed = []
+
+    def fake_time_trace(side, trace, prebuild):
+        timed.append((side, trace["header"]["name"], prebuild))
+        return 0.0, {"a": 1.0, "b": 2.0}[side], 0, 0
+
+    monkeypatch.setattr(one_process.replay, "time_trace", fake_time_trace)
+    traces = [{"header": {"name": n}} for n in ("t0", "t1")]
+    runs = one_process.compare("a", "b", traces, repeats=2, prebuild=True)
+    assert runs == {"a": [2.0, 2.0], "b": [4.0, 4.0]}
+    # Trace by trace, each on both sides; side A first in run 0, side B in run 1.
+    assert timed == [("a", "t0", True), ("b", "t0", True), ("a", "t1", True),
+                     ("b", "t1", True), ("b", "t0", True), ("a", "t0", True),
+                     ("b", "t1", True), ("a", "t1", True)]
+
+
+def test_one_process_runs_kvref_against_itself(capsys):
+    import one_process
+    assert one_process.main(["--sides", "kvref,kvref", "--classes", "cross_attention",
+                             "--modes", "prebuilt", "--repeats", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1].split()
+    assert line[:2] == ["cross_attention", "prebuilt"] and float(line[2]) > 0
+
+
+def test_one_process_without_vllm_says_which_python_to_use(capsys):
+    import one_process
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert one_process.main(["--classes", "full", "--repeats", "1"]) == 2
+        assert "vLLM's python" in capsys.readouterr().err
+    else:  # vLLM importable here: the two sides build and the run reports
+        assert one_process.main(["--classes", "cross_attention", "--modes", "prebuilt",
+                                 "--repeats", "1"]) == 0
