@@ -155,3 +155,13 @@ def test_one_process_without_vllm_says_which_python_to_use(capsys):
     else:  # vLLM importable here: the two sides build and the run reports
         assert one_process.main(["--classes", "cross_attention", "--modes", "prebuilt",
                                  "--repeats", "1"]) == 0
+
+
+def test_the_engines_take_turns_to_go_first():
+    import engine
+    orders = [engine.turn_order(list(engine.ENGINES), r) for r in range(6)]
+    assert orders[0] == ["kvref", "generate", "generate_batch"]
+    assert orders[1] == ["generate", "generate_batch", "kvref"]
+    assert orders[3] == orders[0]
+    assert all(sorted(o) == sorted(engine.ENGINES) for o in orders)
+    assert {o[0] for o in orders[:3]} == set(engine.ENGINES)
