@@ -21,21 +21,12 @@ traces, the ratio of the medians, and the median of the per-run ratios.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for path in (str(ROOT), str(HERE)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-import replay  # noqa: E402
-import sides  # noqa: E402
-
-TRACES = ROOT / "tests" / "conformance" / "traces"
+# The workers' module: importing it puts the project root on sys.path, and its
+# load_class parses and freezes a class's traces as a worker does.
+from worker import TRACES, load_class, replay, sides
 
 
 def compare(side_a, side_b, traces: list[dict], repeats: int, prebuild: bool
@@ -93,10 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     a, b = names
     print(f"{'class':24s} {'mode':8s} {a + ' ms':>10s} {b + ' ms':>10s} "
           f"{'ratio of medians':>17s} {'median ratio':>13s}")
+    loaded: dict = {}
     for cls in classes:
-        traces = [replay.load_trace(p) for p in sorted((TRACES / cls).glob("*.json*"))]
-        gc.collect()
-        gc.freeze()   # as the workers do: the parsed traces are not walked again
+        traces = load_class(cls, loaded)
         for mode in modes:
             runs = compare(side_a, side_b, traces, args.repeats, mode == "prebuilt")
             med_a, med_b = statistics.median(runs["a"]), statistics.median(runs["b"])
