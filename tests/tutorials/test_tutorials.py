@@ -141,13 +141,10 @@ NOTEBOOK_RUNNER = """
 import os, sys, types
 import jupytext
 sys.modules.setdefault("ipykernel", types.ModuleType("ipykernel"))  # as under Jupyter
-try:                                         # what a notebook would show inline
-    import IPython.display as shown
-except ImportError:
-    shown = types.ModuleType("IPython.display")
-    sys.modules["IPython"] = types.ModuleType("IPython")
-    sys.modules["IPython"].display = shown
-    sys.modules["IPython.display"] = shown
+# The real IPython (the test extra installs it, as Jupyter does): a stand-in module
+# of that name is taken for a running IPython by matplotlib, which then calls its
+# get_ipython(). Only display, what a notebook would show inline, is replaced.
+import IPython.display as shown
 shown.display = lambda obj: print("INLINE", type(obj).__name__)
 path = sys.argv[1]
 os.chdir(os.path.dirname(path))
