@@ -9,7 +9,9 @@ Three layers, as in vLLM (``kvref/core/`` mirrors ``vllm/v1/core/``)::
 
 Everything public is importable from here: ``from kvref import KVCacheManager``.
 The core is pure Python; the tensor side (``kvref.worker``, ``kvref.attention``,
-``kvref.engine``) needs torch and is never imported from here.
+and the model half of ``kvref.engine``) needs torch and is never imported from
+here. ``kvref.engine``'s scheduling half (``Scheduler``, ``EngineCore``,
+``ModelFreeRunner``) imports without torch.
 """
 
 from kvref.hashing import sha256, sha256_cbor

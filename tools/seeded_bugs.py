@@ -72,12 +72,8 @@ _GATE = ("        # 4. The capacity gate: the blocks needed, the watermark, the 
          "            new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,\n"
          "            total_computed_tokens=num_local_computed + num_external_computed_tokens,\n"
          "            num_tokens_main_model=num_tokens_main_model)\n"
-         "        num_free_blocks_after = self.block_pool.get_num_free_blocks()\n"
-         "        available = num_free_blocks_after - reserved_blocks\n"
-         "        gates.num_freed_blocks = num_free_blocks_after - num_free_blocks\n"
-         "        gates.num_blocks_needed, gates.num_available_blocks = needed, available\n"
+         "        available = self.block_pool.get_num_free_blocks() - reserved_blocks\n"
          "        if needed + watermark_blocks > available:\n"
-         "            gates.refused_by = \"capacity\"\n"
          "            return None\n")
 SKIP_AFTER_ROOM_CHECK_OLD = _SKIP + "\n" + _GATE
 SKIP_AFTER_ROOM_CHECK_NEW = _GATE + _SKIP
@@ -289,8 +285,8 @@ CATALOGUE: list[SeededBug] = [
     SeededBug("reserved-blocks-ignored",
               "allocate_slots ignores the blocks reserved for in-flight KV loads",
               "kvref/core/kv_cache_manager.py",
-              "        available = num_free_blocks_after - reserved_blocks\n",
-              "        available = num_free_blocks_after\n"),
+              "        available = self.block_pool.get_num_free_blocks() - reserved_blocks\n",
+              "        available = self.block_pool.get_num_free_blocks()\n"),
     SeededBug("full-sequence-no-watermark",
               "full_sequence_must_fit forgets the watermark",
               "kvref/core/kv_cache_manager.py",

@@ -7,7 +7,10 @@ One module per vLLM file, same names::
     single_type_kv_cache_manager.py  one manager per attention type, Mamba included
     block_pool.py                    BlockPool, BlockHashToBlockMap
     kv_cache_utils.py                KVCacheBlock, the free queue, block hashing,
-                                     capacity (blocks per request, max concurrency)
+                                     capacity (blocks per request, max concurrency),
+                                     and the config builder: layer specs into KV
+                                     cache groups and a pool (get_kv_cache_groups,
+                                     get_kv_cache_configs; its largest part)
 
 Imports only go down this list, to the vocabulary modules one level up
 (``kv_cache_interface``, ``request``, ``kv_events``, ``stats``, ``hashing``,

@@ -335,8 +335,7 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             # The test is _maybe_evict_cached_block's early return, made here: a
-            # never-cached block is the common case, and the call alone was a
-            # third of this method's time.
+            # never-cached block is the common case.
             if self.enable_caching and (block.block_hash is not None
                                         or self.cached_block_hashes_by_block):
                 self._maybe_evict_cached_block(block)
@@ -383,7 +382,8 @@ class BlockPool:
 
         Blocks reaching 0 return to the queue: unhashed ones at the head, since
         nobody can hit them, hashed ones at the tail, so the cache keeps them
-        longest. ``ValueError`` (before any change) if a block would drop below 0.
+        longest. ``ValueError`` if a block would drop below 0: the references
+        already dropped are given back first, so the pool is left as it was.
         """
         blocks = list(ordered_blocks)
         uncached, cached, over_freed = [], [], []
@@ -395,18 +395,14 @@ class BlockPool:
                 (uncached if block.block_hash is None else cached).append(block)
             else:
                 over_freed.append(block.block_id)
-        # Over-freeing is found in the same pass and undone: counting each
-        # block's copies up front (a Counter) cost more than the free itself.
+        # Over-freeing is found in the same pass, and undone before raising.
         if over_freed:
             for block in blocks:
                 block.ref_cnt += 1
             raise ValueError(f"free_blocks: blocks {sorted(set(over_freed))} are freed "
                              "more times than they are referenced")
         # Unchecked, and only when there is something to queue: every block here
-        # was held until now, so none is queued (INV-QUEUE-4). The queue's own
-        # check walked the blocks a second time; with it and the calls for empty
-        # lists (one of the two usually is), a free took ~15-25% longer
-        # (benchmarks/README.md).
+        # was held until now, so none is queued (INV-QUEUE-4).
         if uncached:
             self.free_block_queue.prepend_n(uncached, check=False)
         if cached:

@@ -192,7 +192,6 @@ class KVCacheCoordinator(ABC):
                             num_tokens_main_model: int, num_encoder_tokens: int = 0
                             ) -> tuple[list[KVCacheBlock], ...]:
         """Grow every group's table; cross-attention groups to ``num_encoder_tokens``."""
-        # A list, not a generator, into the tuple: ~0.2 µs less per call.
         return tuple([
             m.allocate_new_blocks(
                 request_id,

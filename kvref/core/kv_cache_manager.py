@@ -83,25 +83,6 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
 
 
-@dataclass(slots=True)
-class AllocateSlotsGates:
-    """The numbers the last ``allocate_slots`` call weighed, step by step (kvref
-    only: ``kvref explain`` reads them, so it never re-derives the gates).
-    Kept in ``KVCacheManager.last_allocate_slots`` while the manager's
-    ``record_allocate_slots`` is True.
-
-    A field the call did not reach stays None (``num_freed_blocks``: 0).
-    """
-
-    watermark_blocks: int
-    num_free_blocks: int                      # when the call began
-    full_sequence_blocks: int | None = None   # step 2: the whole request's blocks
-    num_freed_blocks: int = 0                 # step 3: freed left of the window
-    num_blocks_needed: int | None = None      # step 4: blocks this call needs
-    num_available_blocks: int | None = None   # step 4: free minus reserved
-    refused_by: str | None = None             # "full-sequence" or "capacity"
-
-
 class KVCacheManager:
     """Allocates, caches and frees KV cache blocks for the scheduler's requests.
 
@@ -165,13 +146,6 @@ class KVCacheManager:
         # The one "no blocks" answer. allocate_slots recognises it by identity,
         # as vLLM's scheduler relies on.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
-        # Set record_allocate_slots to find each call's gates in
-        # last_allocate_slots (kvref explain does). Unrecorded, they go to one
-        # scratch record that nobody reads: a fresh record per call cost ~3% of
-        # a trace replay (benchmarks/README.md).
-        self.record_allocate_slots = False
-        self.last_allocate_slots: AllocateSlotsGates | None = None
-        self._unrecorded_gates = AllocateSlotsGates(0, 0)
 
     @property
     def usage(self) -> float:
@@ -286,11 +260,6 @@ class KVCacheManager:
                                                      RequestStatus.PREEMPTED):
             watermark_blocks = self.watermark_blocks
         num_free_blocks = self.block_pool.get_num_free_blocks()
-        if self.record_allocate_slots:
-            gates = self.last_allocate_slots = AllocateSlotsGates(watermark_blocks,
-                                                                  num_free_blocks)
-        else:
-            gates = self._unrecorded_gates
 
         # 2. The full-sequence gate (nothing freed yet).
         if full_sequence_must_fit:
@@ -300,9 +269,7 @@ class KVCacheManager:
                 new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,
                 total_computed_tokens=total_computed, num_tokens_main_model=full_len,
                 apply_admission_cap=True)
-            gates.full_sequence_blocks = needed
             if needed + watermark_blocks > num_free_blocks:
-                gates.refused_by = "full-sequence"
                 return None
 
         num_tokens_main_model = total_computed + num_new_tokens
@@ -320,12 +287,8 @@ class KVCacheManager:
             new_computed_blocks=hit_blocks, num_encoder_tokens=num_encoder_tokens,
             total_computed_tokens=num_local_computed + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model)
-        num_free_blocks_after = self.block_pool.get_num_free_blocks()
-        available = num_free_blocks_after - reserved_blocks
-        gates.num_freed_blocks = num_free_blocks_after - num_free_blocks
-        gates.num_blocks_needed, gates.num_available_blocks = needed, available
+        available = self.block_pool.get_num_free_blocks() - reserved_blocks
         if needed + watermark_blocks > available:
-            gates.refused_by = "capacity"
             return None
 
         # 5. Take the hit (identity, not equality: the shared empty answer means

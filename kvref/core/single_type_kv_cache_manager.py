@@ -127,7 +127,7 @@ class SingleTypeKVCacheManager:
         num_local = len(new_computed_blocks) + num_held
         num_new = max(num_required - max(num_skipped, num_local), 0)
         if not new_computed_blocks:
-            return num_new  # no hit: no generator to build (~0.5 µs of ~2 per call)
+            return num_new  # no hit: no free hit blocks to add
         # Hit blocks inside the skipped range are never touched.
         first_kept_hit = max(0, num_skipped - num_held)
         num_evictable = sum(1 for b in new_computed_blocks[first_kept_hit:]
@@ -707,7 +707,7 @@ class MambaManager(SingleTypeKVCacheManager):
             num_new = 1 if request_id in self._allocated_block_reqs \
                 else 1 + self.num_speculative_blocks
         if not new_computed_blocks:
-            return num_new  # no hit: no generator to build, as in the base class
+            return num_new  # no hit: no free hit blocks to add, as in the base class
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new + num_evictable
 

@@ -56,7 +56,7 @@ returns ``None`` for a call that only queued a batch. Use it with an
     True
     >>> core.shutdown()
 
-Where a later feature joins this loop, without a second one:
+What else joins this loop, without a second one:
 
 - A KV connector lives, as in vLLM, inside the scheduler (which asks it
   for external hits and builds its metadata in ``schedule``, and reads its

@@ -9,8 +9,10 @@ states (``update_states``), says which tokens a step feeds in and whether it
 samples, accepts or rejects draft tokens, and advances a state past the step.
 
 vLLM also keeps a persistent ``InputBatch`` (one row per running request,
-updated in place); kvref re-writes the rows of the scheduled requests every
-step from these states, which is what the persistent batch amounts to. No
+updated in place). kvref has none: the model runner gives the scheduled
+requests table rows in the scheduler's order every step, appends only the new
+block ids to a row that holds the same request as the step before, and
+rewrites any other row from these states (``GPUModelRunner._fill_row``). No
 torch here: the model-free runner runs without it.
 """
 

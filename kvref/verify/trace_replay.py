@@ -238,6 +238,7 @@ class TraceReplayer:
 
     utils: Any = kv_cache_utils                 # the module whose NONE_HASH seeds the chain
     hash_functions: dict = HASH_FUNCTIONS
+    manager_class: type = KVCacheManager        # kvref explain's player keeps the gates
 
     def __init__(self, header: dict) -> None:
         hashing = header["hash"]
@@ -255,12 +256,12 @@ class TraceReplayer:
         self.handles: dict[str, list] = {}
 
     def build_manager(self, header: dict) -> KVCacheManager:
-        """The manager of the header: groups, then ``KVCacheManager(config, **manager)``."""
+        """The manager of the header: groups, then ``manager_class(config, **manager)``."""
         groups = [KVCacheGroupSpec(g.get("layer_names", [f"layer.{i}"]), _spec(g),
                                    is_eagle_group=g.get("is_eagle_group", False))
                   for i, g in enumerate(header["groups"])]
         m = header["manager"]
-        return KVCacheManager(
+        return self.manager_class(
             KVCacheConfig(header["num_blocks"], groups),
             max_model_len=m["max_model_len"], scheduler_block_size=m["scheduler_block_size"],
             hash_block_size=m["hash_block_size"],

@@ -10,8 +10,8 @@ runs and what changed is told::
 * ``allocate_slots``: the gates in ``KVCacheManager.allocate_slots``' order
   (full-sequence gate, window freeing, capacity + watermark gate), with the
   blocks needed, free and short, as the manager itself weighed them
-  (``KVCacheManager.last_allocate_slots``); the blocks taken from the free
-  queue and which cached ones that evicted.
+  (``kvref.viz.gates``: ``GateRecordingKVCacheManager.last_allocate_slots``);
+  the blocks taken from the free queue and which cached ones that evicted.
 * ``get_computed_blocks``: why the hit stopped where it did: the first block
   whose hash missed, the ``num_tokens - 1`` cap, a hybrid model's fixed point
   (each group's own hit vs the agreed one), EAGLE, alignment.
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from kvref.core.block_pool import BlockPool
 from kvref.core.kv_cache_coordinator import HybridKVCacheCoordinator
-from kvref.core.kv_cache_manager import AllocateSlotsGates
 from kvref.core.kv_cache_utils import BlockHashListWithBlockSize
 from kvref.core.single_type_kv_cache_manager import SlidingWindowManager
 from kvref.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from kvref.request import Request, RequestStatus
 from kvref.verify.trace_replay import ALLOCATE_DEFAULTS
 from kvref.viz.panels import describe_op
+from kvref.viz.gates import AllocateSlotsGates
 from kvref.viz.player import OpFacts, TracePlayer
 from kvref.viz.tables import compress_ids, spec_label
 
@@ -128,7 +128,7 @@ def _free_hit_blocks(player: TracePlayer, op: dict) -> int:
 
 def _allocate_gates(gates: AllocateSlotsGates | None, status: RequestStatus, op: dict,
                     free_hits: int, facts: OpFacts) -> list[str]:
-    """The gates as the manager weighed them (``KVCacheManager.last_allocate_slots``)."""
+    """The gates as the manager weighed them (``kvref.viz.gates``)."""
     if gates is None:
         raised = facts.observed.get("raises")
         return [f"allocate_slots stopped before its gates ({raised or 'no gate was reached'}):"

@@ -25,6 +25,13 @@ from dataclasses import dataclass, field
 from kvref.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 from kvref.request import Request
 from kvref.verify.trace_replay import TRACE_FORMAT, MalformedTrace, TraceReplayer
+from kvref.viz.gates import GateRecordingKVCacheManager
+
+
+class _GateRecordingReplayer(TraceReplayer):
+    """The pictures tell allocate_slots' gates as the manager weighed them."""
+
+    manager_class = GateRecordingKVCacheManager
 
 
 class TraceError(ValueError):
@@ -126,12 +133,10 @@ class TracePlayer:
 
     def _restart(self) -> None:
         try:
-            self.replayer = TraceReplayer(self.trace["header"])
+            self.replayer = _GateRecordingReplayer(self.trace["header"])
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceError(f"cannot build a manager from the trace header: "
                              f"{type(exc).__name__}: {exc}") from None
-        # The pictures tell allocate_slots' gates as the manager weighed them.
-        self.replayer.manager.record_allocate_slots = True
         self.position = 0
         self.facts: list[OpFacts] = []
         self.history: list[StepStats] = []

@@ -165,28 +165,6 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_the_pool_is_short(
     assert manager.allocate_slots(request, 12).get_block_ids() == ([1, 2, 3],)
 
 
-def test_the_gates_are_kept_only_while_recording_and_are_each_calls_own():
-    manager = make_manager(4)
-    request = make_request("a", 16)
-    manager.allocate_slots(request, 16)
-    assert manager.last_allocate_slots is None              # not recording: nothing kept
-
-    manager.record_allocate_slots = True
-    assert manager.allocate_slots(request, 16) is None
-    refused = manager.last_allocate_slots
-    assert (refused.num_free_blocks, refused.num_blocks_needed,
-            refused.num_available_blocks, refused.refused_by) == (3, 4, 3, "capacity")
-    assert manager.allocate_slots(request, 12) is not None
-    admitted = manager.last_allocate_slots
-    assert admitted is not refused and refused.refused_by == "capacity"
-    assert (admitted.num_blocks_needed, admitted.refused_by) == (3, None)
-
-    manager.record_allocate_slots = False
-    request.num_computed_tokens = 12
-    manager.allocate_slots(request, 4)                      # refused again, unrecorded
-    assert manager.last_allocate_slots is admitted
-
-
 def test_free_cached_hit_blocks_count_against_the_free_capacity():
     """Touching a hit block that sits in the free queue takes it out of the
     queue, so it uses up free capacity like a new block::
