@@ -45,7 +45,42 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput",
-           "KVConnectorRole", "KVConnectorStats", "execute_with_connector"]
+           "KVConnectorRole", "KVConnectorStats", "SupportsHMA", "execute_with_connector",
+           "supports_hma"]
+
+
+class SupportsHMA(ABC):
+    """A connector that works with the hybrid KV cache manager (HMA): it takes
+    a request's blocks per KV cache group (``vllm/distributed/kv_transfer/
+    kv_connector/v1/base.py:85-114``, v0.25.1).
+
+    A mixin beside ``KVConnectorBase_V1``. With one, vLLM keeps the hybrid
+    manager and its groups (sliding-window, Mamba) when a connector is set;
+    without one it turns the manager off (``config/vllm.py:1530-1552``), so
+    every layer shares one group. Per-group block ids reach such a connector
+    through ``update_state_after_alloc`` and the ``SchedulerOutput`` (as
+    always: ``KVCacheBlocks`` and block-id tuples hold one list per group), and
+    a finished request goes to ``request_finished_all_groups`` instead of
+    ``request_finished`` (``v1/core/sched/scheduler.py:2377-2385``).
+    """
+
+    @abstractmethod
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes, before its blocks are freed in any
+        group; ``block_ids[g]`` are group ``g``'s blocks of its computed tokens
+        (a window group's blocks already out of the window are the null block, 0).
+
+        Returns ``(hold, kv_transfer_params)`` as ``request_finished`` does.
+        """
+
+
+def supports_hma(connector: Any) -> bool:
+    """Whether a connector class, or a connector, implements ``SupportsHMA``
+    (``base.py:117-121``)."""
+    if isinstance(connector, type):
+        return issubclass(connector, SupportsHMA)
+    return isinstance(connector, SupportsHMA)
 
 
 class KVConnectorRole(enum.Enum):
