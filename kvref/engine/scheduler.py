@@ -72,6 +72,7 @@ vLLM's connector path (the methods under "KV connector" below)::
     update_from_output: invalid (failed) blocks -> back to the first of them
       ("recompute") or FINISHED_ERROR ("fail"); finished sends free held blocks
     a finishing request: connector.request_finished(req, block_ids) may hold its blocks
+      (request_finished_all_groups(req, ids per group) with SupportsHMA: hybrid models)
 
 Use it with any runner that turns a ``SchedulerOutput`` (``sched_output.py``)
 into a ``ModelRunnerOutput`` (``outputs.py``), stepped by ``EngineCore``
@@ -99,7 +100,8 @@ API summary (what other code relies on):
     max_model_len=None, long_prefill_token_threshold=0,
     enable_chunked_prefill=True, eos_token_id=None, *,
     scheduler_reserve_full_isl=True, num_speculative_tokens=0, kv_consumer=False,
-    kv_transfer_config=None)`` (``connector``: its scheduler half, or None);
+    kv_transfer_config=None, disable_hybrid_kv_cache_manager=None)``
+    (``connector``: its scheduler half, or None);
     ``new_request(request_id, prompt_token_ids, sampling_params) -> EngineRequest``
     or ``add_request(EngineRequest)``; ``schedule() -> SchedulerOutput``;
     ``update_from_output(scheduler_output, model_runner_output) -> list[EngineRequest]``

@@ -44,6 +44,7 @@ from kvref.engine import LLM, SamplingParams
 from kvref.engine.core import engine_step
 from kvref.engine.model_free_runner import ModelFreeRunner
 from kvref.engine.scheduler import Scheduler
+from kvref.math_utils import cdiv
 
 from .hf_models import hybrid
 from .test_disaggregated_prefill import PrefillEngine, free_port, run_to_end
@@ -164,7 +165,7 @@ def run_p2p(model, prompts, reference, tmp_path) -> LLM:
             # block from admission on (the load lands only in the others).
             full, window = allocated[str(i)]
             num_null = max(0, len(prompt) - WINDOW + 1) // BLOCK
-            assert len(full) == len(window) == -(-len(prompt) // BLOCK) and 0 not in full
+            assert len(full) == len(window) == cdiv(len(prompt), BLOCK) and 0 not in full
             assert window[:num_null] == [0] * num_null and 0 not in window[num_null:]
             # Prompts where that null block is the recomputed token's oldest window
             # token would attend to it (the defect named at the end of this file).
@@ -349,7 +350,7 @@ def test_a_connector_with_supports_hma_gets_block_ids_per_group(model, prompts, 
         req_id = out.request_id
         full, window = connector.finished[req_id]
         num_computed = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
-        num_blocks = -(-num_computed // BLOCK)
+        num_blocks = cdiv(num_computed, BLOCK)
         # Each group's blocks of the computed tokens; nulls exactly where the window
         # has moved past (skipped tokens: num_computed - W + 1, vLLM's rule).
         assert (full, window) == tuple(ids[:num_blocks] for ids in at_finish[req_id])
