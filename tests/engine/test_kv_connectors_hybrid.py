@@ -1,9 +1,9 @@
 """Hybrid models through each KV connector, as vLLM 0.25.1 runs them.
 
 A Qwen3 with full-attention and sliding-window layers (``hf_models.hybrid``)
-goes through every connector kvref has, and must generate the same greedy
-tokens as the same engine without a connector, while the connector brings
-KV it did not compute. How the engine is built depends on the connector, as
+goes through every connector kvref has, synchronous and async scheduling,
+and must generate the same greedy tokens as the same engine without a
+connector, while the connector brings KV it did not compute. How the engine is built depends on the connector, as
 in vLLM (``config/vllm.py:1530-1567``, ``kv_connector/factory.py:54-60,
 130-145``):
 
@@ -105,29 +105,29 @@ def assert_groups_as_vllm_builds_them(llm: LLM, config: KVTransferConfig) -> Non
 # -- each connector, token-equal -------------------------------------------------------
 
 
-def run_example_connector(model, prompts, reference, tmp_path) -> LLM:
+def run_example_connector(model, prompts, reference, tmp_path, **engine) -> LLM:
     """A first engine saves every block to storage; a second one loads them."""
     config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
-    first = connected(model, config, num_gpu_blocks=160)
+    first = connected(model, config, num_gpu_blocks=160, **engine)
     assert tokens(first.generate(prompts, PARAMS)) == reference
-    second = connected(model, config, num_gpu_blocks=160)
+    second = connected(model, config, num_gpu_blocks=160, **engine)
     assert tokens(second.generate(prompts, PARAMS)) == reference
     assert second.model_runner.kv_connector.stats.num_loaded_blocks > 0
     return second
 
 
-def run_cpu_tier(model, prompts, reference, tmp_path) -> LLM:
+def run_cpu_tier(model, prompts, reference, tmp_path, **engine) -> LLM:
     """A small device pool: blocks evicted there come back from the host tier."""
     config = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
                               kv_connector_extra_config={"num_cpu_blocks": 96})
-    llm = connected(model, config, num_gpu_blocks=20)      # small: preempts, evicts
+    llm = connected(model, config, num_gpu_blocks=20, **engine)    # small: preempts, evicts
     assert tokens(llm.generate(prompts + prompts, PARAMS)) == reference * 2
     assert llm.model_runner.kv_connector.stats.num_loaded_blocks > 0
     return llm
 
 
-def run_p2p(model, prompts, reference, tmp_path) -> LLM:
+def run_p2p(model, prompts, reference, tmp_path, **engine) -> LLM:
     """A prefill engine in another process pushes each prompt's KV to this one."""
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
@@ -139,7 +139,7 @@ def run_p2p(model, prompts, reference, tmp_path) -> LLM:
                                   kv_connector_extra_config={"p2p_port": port,
                                                              "timeout_s": 60})
         llm = LLM(str(model_dir), kv_transfer_config=config, block_size=BLOCK,
-                  max_model_len=64, num_gpu_blocks=80)
+                  max_model_len=64, num_gpu_blocks=80, **engine)
         llm.after_step.append(check_scheduler)
         allocated = {}
         admit = llm.scheduler.connector.update_state_after_alloc
@@ -184,18 +184,24 @@ RUNS = {"ExampleConnector": run_example_connector,
         "P2pConnector": run_p2p}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("connector", sorted(RUNS))
 def test_a_hybrid_model_through_each_connector_equals_the_engine_without_one(
-        connector, model, prompts, reference, tmp_path, caplog):
+        connector, async_scheduling, model, prompts, reference, tmp_path, caplog):
     if connector == "P2pConnector":
         prompts, reference = prompts[:6], reference[:6]    # two processes: keep it short
     with caplog.at_level(logging.WARNING):
-        llm = RUNS[connector](model, prompts, reference, tmp_path)
+        llm = RUNS[connector](model, prompts, reference, tmp_path,
+                              async_scheduling=async_scheduling)
     config = llm.scheduler.connector._kv_transfer_config
     assert_groups_as_vllm_builds_them(llm, config)
     # vLLM's warning exactly when the hybrid manager was turned off for the connector.
     assert (WARNING in caplog.text) == (not supports_hma(llm.scheduler.connector))
     assert llm.stats.prompt_tokens_external > 0
+    # Async scheduling: a consumer's freed blocks wait for the step in flight, in
+    # every group (deferred frees).
+    assert llm.scheduler.defer_block_free == (async_scheduling
+                                              and llm.scheduler.kv_consumer)
     assert_all_blocks_free(llm)
 
 
