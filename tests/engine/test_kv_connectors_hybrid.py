@@ -41,7 +41,6 @@ from kvref.distributed.kv_transfer.kv_connector.factory import (
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput, SupportsHMA, supports_hma)
 from kvref.engine import LLM, SamplingParams
-from kvref.engine.core import engine_step
 from kvref.engine.model_free_runner import ModelFreeRunner
 from kvref.engine.scheduler import Scheduler
 from kvref.math_utils import cdiv
@@ -398,18 +397,22 @@ def mamba_hybrid_scheduler(connector: str, **extra) -> Scheduler:
 def test_a_mamba_hybrid_hands_the_connector_the_longest_group_hit():
     """vLLM's scheduler.py:689-722: with a connector, a Mamba hybrid's local hit is
     each group's own, and the connector is asked from the longest (here full
-    attention's), not from the hit all groups agree on."""
+    attention's), not from the hit all groups agree on. vLLM 0.25.1's own
+    ``Scheduler``, given the same calls (``tools/check_vllm_hybrid_connector.py``),
+    asks its connector from 12, schedules 2 tokens and holds the same blocks."""
+    from kvref import Request
     scheduler = mamba_hybrid_scheduler("RecordingHMAConnector")
     manager = scheduler.kv_cache_manager
-    runner = ModelFreeRunner(vocab_size=50)
     prefix = list(range(1, 13))                          # 12 tokens: 3 blocks
-    scheduler.new_request("a", prefix + [40, 41], SamplingParams(max_tokens=1))
-    while scheduler.has_requests():
-        engine_step(scheduler, runner)
-    # Drop the Mamba states "a" cached: full attention still hits 12 tokens, Mamba 0.
-    mamba_ids = {b.block_id for b in manager.block_pool.blocks
-                 if b.block_hash is not None and b.block_hash[-1] == 1}
-    manager.evict_blocks(mamba_ids)
+    # "a" computed its 14 tokens, cached its 3 full blocks in both groups, and left.
+    a = Request("a", prefix + [40, 41], block_hasher=scheduler.block_hasher)
+    assert manager.allocate_slots(a, 14) is not None
+    manager.cache_blocks(a, 14)
+    a.num_computed_tokens = 14
+    manager.free(a)
+    # Drop the Mamba states: full attention still hits 12 tokens, Mamba none.
+    manager.evict_blocks({b.block_id for b in manager.block_pool.blocks
+                          if b.block_hash is not None and b.block_hash[-1] == 1})
     request = scheduler.new_request("b", prefix + [42, 43], SamplingParams(max_tokens=1))
     agreed = manager.coordinator.find_longest_cache_hit(request.block_hashes,
                                                         request.num_tokens - 1)[1]
@@ -418,9 +421,10 @@ def test_a_mamba_hybrid_hands_the_connector_the_longest_group_hit():
     assert agreed == 0 and per_group == (12, 0)
     hits_before = manager.prefix_cache_stats.hits
     output = scheduler.schedule()
-    assert scheduler.connector.matched[-1] == ("b", 12)
+    assert scheduler.connector.matched == [("b", 12)]
     assert output.num_scheduled_tokens == {"b": 2}        # from token 12 on
     assert manager.prefix_cache_stats.hits - hits_before == 12
+    assert manager.get_block_ids("b") == ([1, 2, 3, 8], [0, 0, 4, 9])   # vLLM's too
 
 
 def test_the_longest_group_hit_is_only_for_mamba_hybrids_with_a_connector(model):
@@ -466,8 +470,8 @@ def test_a_consumer_recomputing_the_last_prompt_token_has_no_block_for_its_oldes
     whose window starts at token P - W. When P - W + 1 is a multiple of the block
     size, that token's block is the null block: the recomputed token attends to
     the null block's contents. vLLM 0.25.1's own ``KVCacheManager``, given these
-    calls, returns the same block ids (recorded with the oracle: ``([1, 2, 3, 4],
-    [0, 0, 0, 5])``). The engine tests above use prompts that avoid it."""
+    calls, returns the same block ids (``tools/check_vllm_hybrid_connector.py``).
+    The engine tests above use prompts that avoid it."""
     from kvref import Request, get_request_block_hasher, init_none_hash, sha256
     init_none_hash(sha256)
     config = KVCacheConfig(40, [
