@@ -43,7 +43,12 @@ layer's group; a window group's block already out of the window is the null
 block on either side: the producer sends zeros for it, the consumer writes
 nothing into it. NIXL instead sends only the last ``cdiv(window, block_size)
 + 1`` blocks of a window group (``nixl/base_scheduler.py:122-134, 219-244``);
-the consumer's blocks still in its window are those or fewer. A failed load on
+the consumer's blocks still in its window are those or fewer. The consumer is
+admitted with the whole prompt of P tokens computed, so its window group holds
+no block before token P - W + 1, yet it recomputes token P - 1, whose window
+starts at token P - W: when P - W + 1 is a multiple of the block size, that
+token's block is the null block, in vLLM 0.25.1 as here (a defect kvref keeps;
+``tests/engine/test_kv_connectors_hybrid.py`` names it). A failed load on
 a hybrid model stops the engine with an error, as it does in vLLM 0.25.1,
 whose load-failure handling supports one group (a TODO, ``scheduler.py:2545``).
 
