@@ -474,8 +474,9 @@ class Scheduler:
                         # each group's own hit, no agreement between groups; the local
                         # hit handed to the connector is the longest of them (the
                         # full-attention one), so it brings only what follows.
-                        # Unlike get_computed_blocks, nothing checks enable_caching or
-                        # skip_reading_prefix_cache here (vLLM does not either).
+                        # Unlike get_computed_blocks, skip_reading_prefix_cache is not
+                        # checked here (nor in vLLM); with caching off the coordinator
+                        # is not the hybrid one, so this path is not taken.
                         computed, per_group_hits = \
                             manager.coordinator.find_longest_cache_hit_per_group(
                                 request.block_hashes, request.num_tokens - 1)
