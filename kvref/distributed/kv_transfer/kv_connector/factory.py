@@ -159,7 +159,7 @@ def resolve_disable_hybrid_kv_cache_manager(kv_transfer_config: KVTransferConfig
             kv_transfer_config):
         logger.warning(
             "The hybrid KV cache manager is turned off: %s does not implement SupportsHMA "
-            "(vLLM's warning at config/vllm.py:1539-1549). Models with Mamba layers need "
+            "(vLLM's warning at config/vllm.py:1539-1550). Models with Mamba layers need "
             "the hybrid manager and fail to start without it; sliding-window layers keep "
             "every block, as full attention does. A connector supports it by subclassing "
             "SupportsHMA (kvref/distributed/kv_transfer/kv_connector/v1/base.py).",
