@@ -447,8 +447,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit_per_group(self, block_hashes: Sequence[BlockHash],
                                          max_cache_hit_length: int
                                          ) -> tuple[HitBlocks, tuple[int, ...]]:
-        """Each spec group's own longest hit, without agreeing (vLLM's scheduler
-        uses it to report per-group hit rates)."""
+        """Each spec group's own longest hit, without agreeing. vLLM's scheduler
+        uses it for a Mamba hybrid with a KV connector: the connector is asked
+        from the longest of these hits (``scheduler.py:689-722``)."""
         hits: list[list[KVCacheBlock]] = [[] for _ in self.single_type_managers]
         lengths = [0] * len(self.single_type_managers)
         for spec, group_ids, manager_cls, use_eagle in self.attention_groups:

@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvref import KVCacheConfig, KVCacheManager
+from kvref.distributed.kv_transfer.kv_connector.factory import (
+    resolve_disable_hybrid_kv_cache_manager)
 from kvref.engine.async_scheduler import AsyncScheduler
 from kvref.engine.core import make_engine_core
 from kvref.engine.loader import load_model
@@ -171,9 +173,18 @@ class LLM:
             for the device (see the module docstring).
         kv_transfer_config: a ``KVTransferConfig`` (``kvref.distributed``): a KV
             connector, its scheduler half in ``llm.scheduler.connector`` and its
-            worker half in ``llm.model_runner.kv_connector``. Needs a model with
-            one KV cache group (no sliding-window layers), as vLLM's connectors
-            without hybrid-allocator support do.
+            worker half in ``llm.model_runner.kv_connector``. Hybrid models run
+            with any connector, as in vLLM 0.25.1: see the next argument.
+        disable_hybrid_kv_cache_manager: vLLM's ``SchedulerConfig`` field. None
+            (the default) decides as vLLM does (``config/vllm.py:1530-1567``):
+            on, unless a connector without ``SupportsHMA`` is set (kvref's
+            ``ExampleConnector``), which turns it off with vLLM's warning. Off,
+            window layers join the full-attention group as
+            ``FullAttentionSpec(sliding_window=W)`` (one group, every block
+            kept, each layer still attending over its window). False with such
+            a connector is refused (vLLM's ``factory.py:54-60``). A connector
+            with ``SupportsHMA`` (``P2pConnector``) keeps the groups and gets
+            per-group block ids.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_gpu_blocks: int | None = None,
@@ -187,7 +198,8 @@ class LLM:
                  speculative_config: dict | None = None,
                  scheduler_reserve_full_isl: bool = True,
                  async_scheduling: bool | None = None, tokenizer=None,
-                 kv_transfer_config=None) -> None:
+                 kv_transfer_config=None,
+                 disable_hybrid_kv_cache_manager: bool | None = None) -> None:
         self.device = torch.device(device)
         self.model = load_model(model, self.device, dtype)
         self.tokenizer = _load_tokenizer(model, tokenizer)
@@ -205,7 +217,10 @@ class LLM:
                              f"({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len})")
 
-        probe = make_kv_cache_config(config, block_size, 1, self.dtype)
+        self.disable_hybrid_kv_cache_manager = resolve_disable_hybrid_kv_cache_manager(
+            kv_transfer_config, disable_hybrid_kv_cache_manager)
+        unify = dict(disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager)
+        probe = make_kv_cache_config(config, block_size, 1, self.dtype, **unify)
         per_request = self._blocks_per_full_request(probe)
         if num_gpu_blocks is None:
             num_tensors = max(len(g.layer_names) for g in probe.kv_cache_groups)
@@ -219,7 +234,7 @@ class LLM:
                              f"max_model_len={self.max_model_len} tokens: it needs "
                              f"{per_request} blocks plus the null block")
         self.kv_cache_config = make_kv_cache_config(config, block_size, num_gpu_blocks,
-                                                    self.dtype)
+                                                    self.dtype, **unify)
 
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_config, max_model_len=self.max_model_len,
@@ -236,13 +251,13 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, eos_token_id=config.eos_token_id,
             scheduler_reserve_full_isl=scheduler_reserve_full_isl,
             num_speculative_tokens=drafter.k if drafter else 0,
-            kv_transfer_config=kv_transfer_config)
+            kv_transfer_config=kv_transfer_config, **unify)
         self.model_runner = GPUModelRunner(
             self.model, self.kv_cache_config, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_seqs,
             device=self.device, dtype=self.dtype, keep_logits=keep_logits,
             drafter=drafter, async_scheduling=async_scheduling,
-            kv_transfer_config=kv_transfer_config)
+            kv_transfer_config=kv_transfer_config, **unify)
         self.engine_core = make_engine_core(self.scheduler, self.model_runner)
         self.after_step: list[Callable[[LLM], None]] = []
         self._logits: dict[str, list[torch.Tensor]] = {}

@@ -54,8 +54,10 @@ from dataclasses import dataclass
 import torch
 
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from kvref.core.kv_cache_utils import capacity_config, get_kv_cache_groups
 from kvref.attention import PagedAttentionPlan, make_kv_cache
-from kvref.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from kvref.distributed.kv_transfer.kv_connector.factory import (
+    KVConnectorFactory, resolve_disable_hybrid_kv_cache_manager)
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorRole,
                                                                 execute_with_connector)
 from kvref.engine.model import AttentionMetadata, TransformerForCausalLM
@@ -75,16 +77,40 @@ def layer_name(layer_idx: int) -> str:
 
 
 def make_kv_cache_config(config: ModelConfig, block_size: int, num_blocks: int,
-                         dtype: torch.dtype) -> KVCacheConfig:
+                         dtype: torch.dtype, *,
+                         disable_hybrid_kv_cache_manager: bool = False) -> KVCacheConfig:
     """One KV cache group per layer type: full attention first, then sliding window.
 
     (vLLM also splits a type into several equal-size groups so that every
     group has the same number of layers; one group per type is the same idea
     with fewer moving parts.)
+
+    With the hybrid manager off (``disable_hybrid_kv_cache_manager``, what the
+    engine picks for a connector without ``SupportsHMA``) the layers' specs go
+    through vLLM's path instead (``get_kv_cache_groups``, which first runs
+    ``unify_hybrid_kv_cache_specs``): window layers become
+    ``FullAttentionSpec(sliding_window=W)`` and all layers share one group,
+    whose blocks are kept for every token.
+
+        >>> config = ModelConfig(architecture="qwen3", vocab_size=32, hidden_size=16,
+        ...     intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        ...     num_key_value_heads=1, head_dim=8, sliding_window=6,
+        ...     layer_types=("sliding_attention", "full_attention"))
+        >>> (group,) = make_kv_cache_config(config, 4, 20, torch.float32,
+        ...     disable_hybrid_kv_cache_manager=True).kv_cache_groups
+        >>> type(group.kv_cache_spec).__name__, group.kv_cache_spec.sliding_window
+        ('FullAttentionSpec', 6)
     """
     dtype_name = str(dtype).removeprefix("torch.")
     heads = dict(num_kv_heads=config.num_key_value_heads, head_size=config.head_dim,
                  dtype=dtype_name)
+    if disable_hybrid_kv_cache_manager:
+        specs = {layer_name(i): FullAttentionSpec(block_size, **heads) if t == "full_attention"
+                 else SlidingWindowSpec(block_size, config.sliding_window, **heads)
+                 for i, t in enumerate(config.layer_types)}
+        groups = get_kv_cache_groups(
+            capacity_config(1, disable_hybrid_kv_cache_manager=True), specs)
+        return KVCacheConfig(num_blocks, groups)
     full = [layer_name(i) for i, t in enumerate(config.layer_types) if t == "full_attention"]
     window = [layer_name(i) for i, t in enumerate(config.layer_types)
               if t == "sliding_attention"]
@@ -131,6 +157,8 @@ class GPUModelRunner(RunnerRequestStates):
             layer by layer and reports finished transfers in
             ``ModelRunnerOutput.kv_connector_output`` (vLLM's
             ``KVConnectorModelRunnerMixin``).
+        disable_hybrid_kv_cache_manager: as in the ``Scheduler`` (None: decided
+            as vLLM does).
     """
 
     def __init__(self, model: TransformerForCausalLM, kv_cache_config: KVCacheConfig, *,
@@ -138,7 +166,8 @@ class GPUModelRunner(RunnerRequestStates):
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  keep_logits: bool = False, drafter: NgramProposer | None = None,
                  async_scheduling: bool = False,
-                 kv_transfer_config=None) -> None:
+                 kv_transfer_config=None,
+                 disable_hybrid_kv_cache_manager: bool | None = None) -> None:
         super().__init__(drafter, async_scheduling)
         self.model = model
         self.kv_cache_config = kv_cache_config
@@ -152,9 +181,16 @@ class GPUModelRunner(RunnerRequestStates):
         if missing:
             raise ValueError(f"layers {missing} are in no KV cache group")
         self.layer_to_group = [group_of[layer_name(i)] for i in range(num_layers)]
-        self.group_windows = [g.kv_cache_spec.sliding_window
-                              if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None
-                              for g in groups]
+        # Each layer attends over its own window, whatever its group keeps: with
+        # the hybrid manager off, window layers share the full-attention group
+        # (and its blocks) but still attend over the window only.
+        self.layer_windows = [model.config.layer_sliding_window(i) for i in range(num_layers)]
+        for i, g in enumerate(self.layer_to_group):
+            spec = groups[g].kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec) and spec.sliding_window != \
+                    self.layer_windows[i]:
+                raise ValueError(f"layer {i} has window {self.layer_windows[i]}, but its KV "
+                                 f"cache group keeps window {spec.sliding_window}")
         self.kv_caches = self._initialize_kv_cache()
         self.block_table = MultiGroupBlockTable(
             max_num_reqs=max_num_reqs, max_model_len=max_model_len,
@@ -166,7 +202,9 @@ class GPUModelRunner(RunnerRequestStates):
         self.kv_connector = None
         if kv_transfer_config is not None:
             self.kv_connector = KVConnectorFactory.create_connector(
-                kv_transfer_config, KVConnectorRole.WORKER, kv_cache_config)
+                kv_transfer_config, KVConnectorRole.WORKER, kv_cache_config,
+                disable_hybrid_kv_cache_manager=resolve_disable_hybrid_kv_cache_manager(
+                    kv_transfer_config, disable_hybrid_kv_cache_manager))
             self.kv_connector.register_kv_caches(
                 {layer_name(i): cache for i, cache in enumerate(self.kv_caches)})
 
@@ -270,22 +308,28 @@ class GPUModelRunner(RunnerRequestStates):
         num_reqs = len(states)
         slot_mappings = self.block_table.compute_slot_mapping(num_reqs, query_start_loc_t,
                                                               positions_t)
-        per_group = []
+        per_group_window: dict[tuple[int, int | None], AttentionMetadata] = {}
         max_query_len = max(num_scheduled_tokens[s.req_id] for s in states)
-        for g, table in enumerate(self.block_table):
-            block_table = table.get_device_tensor(num_reqs)
-            # The attention plan is built here once per group, not in every layer:
-            # the batch, table and window are the same for all of a group's layers.
+        tables = list(self.block_table)
+        device_tables: dict[int, torch.Tensor] = {}
+        for g, window in zip(self.layer_to_group, self.layer_windows):
+            if (g, window) in per_group_window:
+                continue
+            table = tables[g]
+            if g not in device_tables:
+                device_tables[g] = table.get_device_tensor(num_reqs)
+            block_table = device_tables[g]
+            # The attention plan is built here once per group and window, not in
+            # every layer: the batch, table and window are the same for those layers.
             plan = PagedAttentionPlan(query_start_loc, seq_lens, block_table,
-                                      block_size=table.block_size,
-                                      sliding_window=self.group_windows[g],
+                                      block_size=table.block_size, sliding_window=window,
                                       num_blocks=self.kv_cache_config.num_blocks,
                                       slot_mapping=slot_mappings[g], device=device)
-            per_group.append(AttentionMetadata(
+            per_group_window[g, window] = AttentionMetadata(
                 query_start_loc=query_start_loc_t, seq_lens=seq_lens_t,
                 block_table=block_table, slot_mapping=slot_mappings[g],
                 max_query_len=max_query_len, max_seq_len=max(seq_lens), plan=plan,
-                kv_connector=self.kv_connector))
+                kv_connector=self.kv_connector)
         return _Batch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
             positions=positions_t,
@@ -294,7 +338,8 @@ class GPUModelRunner(RunnerRequestStates):
             logits_indices=None if logits_indices == list(range(len(input_ids))) else
             torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sampling=sampling,
-            attn_metadata=[per_group[g] for g in self.layer_to_group])
+            attn_metadata=[per_group_window[g, w]
+                           for g, w in zip(self.layer_to_group, self.layer_windows)])
 
     def _fill_row(self, state: CachedRequestState, row: int) -> None:
         """Make table row ``row`` hold ``state``'s blocks. A row that held the same

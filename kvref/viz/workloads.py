@@ -474,9 +474,12 @@ def record_workload(name: str, max_steps: int | None = None, seed: str = "0",
         transfer = KVTransferConfig(kv_connector="RemotePrefillConnector",
                                     kv_role="kv_consumer", kv_load_failure_policy="recompute",
                                     kv_connector_extra_config={"remote": preset.remote})
+    # The toy connector takes one KV cache group: say so, as a vLLM user would
+    # (left unset, the engine would decide the same and log vLLM's warning).
     scheduler = Scheduler(recorder, max_num_batched_tokens=preset.max_num_batched_tokens,
                           max_num_seqs=preset.max_num_seqs, kv_transfer_config=transfer,
-                          long_prefill_token_threshold=preset.long_prefill_token_threshold)
+                          long_prefill_token_threshold=preset.long_prefill_token_threshold,
+                          disable_hybrid_kv_cache_manager=True if transfer else None)
     runner = ModelFreeRunner(vocab_size=VOCAB, kv_connector=transfer and
                              KVConnectorFactory.create_connector(
                                  transfer, KVConnectorRole.WORKER, preset.config))

@@ -153,11 +153,3 @@ def test_a_load_that_fails_is_recomputed_or_fails_the_request(model, prompts, re
         else:
             assert out.outputs[0].token_ids == expected
     assert_all_blocks_free(fail)
-
-
-def test_a_hybrid_model_is_refused_with_the_reason(tmp_path):
-    from .hf_models import hybrid
-    config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
-    with pytest.raises(ValueError, match="one KV cache group"):
-        LLM(hybrid(), kv_transfer_config=config, **OPTIONS)

@@ -17,10 +17,14 @@ v0.25.1: same field names, same default failure policy ``"fail"``)::
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KVConnectorFactory", "KVTransferConfig"]
+__all__ = ["KVConnectorFactory", "KVTransferConfig",
+           "resolve_disable_hybrid_kv_cache_manager"]
+
+logger = logging.getLogger(__name__)
 
 # name -> (module, class); imported on use (P2pConnector pulls in torch.distributed).
 _REGISTRY = {
@@ -90,6 +94,75 @@ class KVConnectorFactory:
         return getattr(importlib.import_module(module), name)
 
     @classmethod
-    def create_connector(cls, kv_transfer_config: KVTransferConfig, role, kv_cache_config):
-        return cls.get_connector_class(kv_transfer_config)(kv_transfer_config, role,
-                                                           kv_cache_config)
+    def supports_hma_config(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Whether the configured connector implements ``SupportsHMA`` (vLLM's
+        ``factory.py:130-145``; kvref has no ``MultiConnector``, whose answer
+        there is whether all its children do)."""
+        from kvref.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+        return supports_hma(cls.get_connector_class(kv_transfer_config))
+
+    @classmethod
+    def create_connector(cls, kv_transfer_config: KVTransferConfig, role, kv_cache_config,
+                         *, disable_hybrid_kv_cache_manager: bool = True):
+        """Build one half of the connector.
+
+        ``disable_hybrid_kv_cache_manager``: the engine's resolved setting
+        (``resolve_disable_hybrid_kv_cache_manager``). With the hybrid manager
+        on, a connector without ``SupportsHMA`` is refused, as vLLM's
+        ``create_connector`` refuses it (``factory.py:54-60``): that happens
+        only when the user asked for the manager explicitly, since left to the
+        default the engine turns it off for such a connector.
+        """
+        connector_cls = cls.get_connector_class(kv_transfer_config)
+        if not disable_hybrid_kv_cache_manager and not cls.supports_hma_config(
+                kv_transfer_config):
+            raise ValueError(
+                f"{connector_cls.__name__} does not support the hybrid KV cache manager "
+                "(no SupportsHMA), but it is enabled: pass "
+                "disable_hybrid_kv_cache_manager=True (vLLM: "
+                "--disable-hybrid-kv-cache-manager), or leave it unset (None) to let the "
+                "engine turn it off")
+        return connector_cls(kv_transfer_config, role, kv_cache_config)
+
+
+def resolve_disable_hybrid_kv_cache_manager(kv_transfer_config: KVTransferConfig | None,
+                                            disable_hybrid_kv_cache_manager: bool | None
+                                            ) -> bool:
+    """The engine's ``disable_hybrid_kv_cache_manager``, decided as vLLM 0.25.1's
+    ``VllmConfig.__post_init__`` decides it (``config/vllm.py:1496-1567``):
+
+    * left unset (None): off only for a connector without ``SupportsHMA``,
+      with vLLM's warning (logged whether or not the model is hybrid, as
+      vLLM's is), and on otherwise;
+    * set: kept. ``False`` (an explicit enable) with such a connector is
+      refused later, by ``KVConnectorFactory.create_connector``.
+
+    The window layers of a model whose hybrid manager is off then join the
+    full-attention group (``kvref.core.kv_cache_utils.unify_hybrid_kv_cache_specs``);
+    a Mamba hybrid cannot be unified, and fails to start.
+
+    (vLLM also turns it off for a platform without hybrid support and for
+    chunked local attention, and raises at ``config/vllm.py:1553-1562`` when
+    those meet an explicit enable; kvref's engine runs neither, so neither
+    rule is here.)
+
+        >>> config = KVTransferConfig(kv_connector="P2pConnector", kv_role="kv_consumer")
+        >>> resolve_disable_hybrid_kv_cache_manager(config, None)      # SupportsHMA
+        False
+        >>> resolve_disable_hybrid_kv_cache_manager(None, None)
+        False
+    """
+    if disable_hybrid_kv_cache_manager is not None:
+        return disable_hybrid_kv_cache_manager
+    if kv_transfer_config is not None and not KVConnectorFactory.supports_hma_config(
+            kv_transfer_config):
+        logger.warning(
+            "The hybrid KV cache manager is turned off: %s does not implement SupportsHMA "
+            "(vLLM's warning at config/vllm.py:1539-1550). Models with Mamba layers need "
+            "the hybrid manager and fail to start without it; sliding-window layers keep "
+            "every block, as full attention does. A connector supports it by subclassing "
+            "SupportsHMA (kvref/distributed/kv_transfer/kv_connector/v1/base.py).",
+            kv_transfer_config.kv_connector)
+        return True
+    return False

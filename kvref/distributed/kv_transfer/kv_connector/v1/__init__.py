@@ -9,7 +9,7 @@
 
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole,
-    KVConnectorStats)
+    KVConnectorStats, SupportsHMA, supports_hma)
 
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput",
-           "KVConnectorRole", "KVConnectorStats"]
+           "KVConnectorRole", "KVConnectorStats", "SupportsHMA", "supports_hma"]

@@ -32,8 +32,18 @@ in ``finished_recving``. A producer that returns ``True`` from
 ``request_finished`` keeps the request's blocks until ``get_finished`` reports
 it in ``finished_sending``.
 
-kvref's connectors support one KV cache group (vLLM's connectors without
-``SupportsHMA`` require the same: the hybrid allocator is turned off for them).
+Hybrid models (vLLM 0.25.1, ``config/vllm.py:1530-1567``,
+``kv_connector/factory.py:54-60, 130-145``): a connector that also subclasses
+``SupportsHMA`` keeps the hybrid KV cache manager and its groups; the block ids
+it is given (``update_state_after_alloc``, the ``SchedulerOutput``) hold one
+list per group, and a finished request goes to ``request_finished_all_groups``.
+For any other connector the engine, left to its default, turns the hybrid
+manager off with a warning, and the window layers join the full-attention
+group (``FullAttentionSpec(sliding_window=W)``: every block kept), so such a
+connector always sees one group; asked explicitly for the hybrid manager, the
+engine refuses to build it. kvref's ``P2pConnector`` (vLLM's NIXL and Mooncake
+connectors have ``SupportsHMA``) supports it; ``ExampleConnector`` does not,
+as vLLM's does not.
 """
 
 from __future__ import annotations
@@ -45,7 +55,42 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorOutput",
-           "KVConnectorRole", "KVConnectorStats", "execute_with_connector"]
+           "KVConnectorRole", "KVConnectorStats", "SupportsHMA", "execute_with_connector",
+           "supports_hma"]
+
+
+class SupportsHMA(ABC):
+    """A connector that works with the hybrid KV cache manager (HMA): it takes
+    a request's blocks per KV cache group (``vllm/distributed/kv_transfer/
+    kv_connector/v1/base.py:85-114``, v0.25.1).
+
+    A mixin beside ``KVConnectorBase_V1``. With one, vLLM keeps the hybrid
+    manager and its groups (sliding-window, Mamba) when a connector is set;
+    without one it turns the manager off (``config/vllm.py:1530-1552``), so
+    every layer shares one group. Per-group block ids reach such a connector
+    through ``update_state_after_alloc`` and the ``SchedulerOutput`` (as
+    always: ``KVCacheBlocks`` and block-id tuples hold one list per group), and
+    a finished request goes to ``request_finished_all_groups`` instead of
+    ``request_finished`` (``v1/core/sched/scheduler.py:2377-2385``).
+    """
+
+    @abstractmethod
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes, before its blocks are freed in any
+        group; ``block_ids[g]`` are group ``g``'s blocks of its computed tokens
+        (a window group's blocks already out of the window are the null block, 0).
+
+        Returns ``(hold, kv_transfer_params)`` as ``request_finished`` does.
+        """
+
+
+def supports_hma(connector: Any) -> bool:
+    """Whether a connector class, or a connector, implements ``SupportsHMA``
+    (``base.py:117-121``)."""
+    if isinstance(connector, type):
+        return issubclass(connector, SupportsHMA)
+    return isinstance(connector, SupportsHMA)
 
 
 class KVConnectorRole(enum.Enum):
@@ -99,11 +144,15 @@ class KVConnectorBase_V1(ABC):
     """
 
     def __init__(self, kv_transfer_config, role: KVConnectorRole, kv_cache_config) -> None:
-        if len(kv_cache_config.kv_cache_groups) != 1:
+        if len(kv_cache_config.kv_cache_groups) != 1 and not supports_hma(self):
+            # kvref's check, made early: vLLM never builds this (it turns the hybrid
+            # manager off for such a connector, or refuses in the factory), and would
+            # only assert at request_finished (scheduler.py:2377-2383).
             raise ValueError(
-                f"{type(self).__name__} supports one KV cache group, got "
-                f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model: vLLM also needs "
-                "a connector with SupportsHMA for that)")
+                f"{type(self).__name__} does not implement SupportsHMA, so it takes one "
+                f"KV cache group, got {len(kv_cache_config.kv_cache_groups)}: build the "
+                "engine with disable_hybrid_kv_cache_manager=True (or unset), which puts "
+                "every attention layer in one group")
         self._kv_transfer_config = kv_transfer_config
         self._role = role
         self._kv_cache_config = kv_cache_config

@@ -35,6 +35,23 @@ then recomputes from the first missing block or fails the request, by its
 ``kv_load_failure_policy``. A retried request does not ask the producer
 again (``do_remote_prefill`` is cleared once its load is planned, as NIXL does).
 
+Hybrid models: like vLLM's NIXL connector (``NixlBaseConnector`` subclasses
+``SupportsHMA``, ``nixl/connector.py:79, 202-208``), ``P2pConnector``
+implements ``SupportsHMA``, so the engine keeps the hybrid KV cache manager
+and its groups. Message ``j`` then holds, for every layer, block ``j`` of that
+layer's group; a window group's block already out of the window is the null
+block on either side: the producer sends zeros for it, the consumer writes
+nothing into it. NIXL instead sends only the last ``cdiv(window, block_size)
++ 1`` blocks of a window group (``nixl/base_scheduler.py:122-134, 219-244``);
+the consumer's blocks still in its window are those or fewer. The consumer is
+admitted with the whole prompt of P tokens computed, so its window group holds
+no block before token P - W + 1, yet it recomputes token P - 1, whose window
+starts at token P - W: when P - W + 1 is a multiple of the block size, that
+token's block is the null block, in vLLM 0.25.1 as here (a defect kvref keeps;
+``tests/engine/test_kv_connectors_hybrid.py`` names it). A failed load on
+a hybrid model stops the engine with an error, as it does in vLLM 0.25.1,
+whose load-failure handling supports one group (a TODO, ``scheduler.py:2545``).
+
 Differences from vLLM, on purpose: the producer pushes every prompt block and
 the consumer drops the ones its own prefix cache already holds (NIXL's
 consumer pulls only the blocks it lacks, naming remote block ids it got from
@@ -56,14 +73,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvref.distributed.kv_transfer.kv_connector.utils import gather_blocks, scatter_blocks
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA)
 from kvref.math_utils import cdiv
 
 __all__ = ["P2pConnector", "P2pConnectorMetadata", "block_tag"]
 
 PRODUCER_RANK, CONSUMER_RANK = 0, 1
+NULL_BLOCK_ID = 0      # the pool's first block is its null block (core/block_pool.py)
 _LAYOUT_TAG = 0
 _MAX_BLOCKS = 1024
 
@@ -76,13 +93,18 @@ def block_tag(request_id: str, block_index: int) -> int:
     return 1 + (zlib.crc32(request_id.encode()) % (1 << 20)) * _MAX_BLOCKS + block_index
 
 
+# Per KV cache group, block ids (None: the null block, nothing to read or write).
+GroupBlockIds = tuple[list[int | None], ...]
+
+
 @dataclass
 class P2pConnectorMetadata(KVConnectorMetadata):
-    """Producer: ``sends[req] = block ids``. Consumer: ``recvs[req] = (num blocks the
-    producer sends, first block to keep, block ids for the kept ones)``."""
+    """Producer: ``sends[req] = block ids per group``. Consumer: ``recvs[req] =
+    (num blocks the producer sends, first block to keep, block ids per group for
+    the kept ones)``."""
 
-    sends: dict[str, list[int]] = field(default_factory=dict)
-    recvs: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
+    sends: dict[str, GroupBlockIds] = field(default_factory=dict)
+    recvs: dict[str, tuple[int, int, GroupBlockIds]] = field(default_factory=dict)
 
 
 class _Transfer:
@@ -105,7 +127,7 @@ class _Transfer:
                 results.put((req_id, index, str(error)))
 
 
-class P2pConnector(KVConnectorBase_V1):
+class P2pConnector(KVConnectorBase_V1, SupportsHMA):
     """Push a finished prefill's blocks to the decode engine.
 
     ``kv_connector_extra_config``: ``p2p_host`` (default ``127.0.0.1``),
@@ -124,14 +146,18 @@ class P2pConnector(KVConnectorBase_V1):
         self.timeout = datetime.timedelta(seconds=float(extra("timeout_s", 120)))
         self.stall_after_blocks = extra("stall_after_blocks", None)
         # Scheduler side.
-        self._sends: dict[str, list[int]] = {}
-        self._recvs: dict[str, tuple[int, int, list[int]]] = {}
+        self._sends: dict[str, GroupBlockIds] = {}
+        self._recvs: dict[str, tuple[int, int, GroupBlockIds]] = {}
         # Worker side.
         self._group = None
         self._results: queue.Queue = queue.Queue()
         self._transfers: dict[str, _Transfer] = {}
         self._pending: dict[str, list] = {}       # req -> [outcomes], None until known
-        self._recv_targets: dict[str, tuple[int, list[int]]] = {}
+        self._recv_targets: dict[str, tuple[int, GroupBlockIds]] = {}
+        group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups)
+                    for name in group.layer_names}
+        self._layer_groups: list[int] = []        # per registered layer, its group
+        self._group_of_layer = group_of
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -161,8 +187,9 @@ class P2pConnector(KVConnectorBase_V1):
         bs = self._block_size
         num_blocks = cdiv(request.num_prompt_tokens, bs)
         first = (request.num_prompt_tokens - num_external_tokens) // bs
-        self._recvs[request.request_id] = (num_blocks, first,
-                                           blocks.get_block_ids()[0][first:num_blocks])
+        targets = tuple([None if b.is_null else b.block_id for b in group[first:num_blocks]]
+                        for group in blocks.blocks)
+        self._recvs[request.request_id] = (num_blocks, first, targets)
         # Ask the producer once: a retry after a failed load computes instead.
         request.kv_transfer_params["do_remote_prefill"] = False
 
@@ -173,19 +200,30 @@ class P2pConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        """One group's blocks (the scheduler calls ``request_finished_all_groups``
+        on a connector with ``SupportsHMA``; this is the same for one group)."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
         params = getattr(request, "kv_transfer_params", None)
         if not self.is_producer or not params or not params.get("do_remote_decode"):
             return False, None
         num_blocks = cdiv(request.num_prompt_tokens, self._block_size)
-        if len(block_ids) < num_blocks:
+        if any(len(ids) < num_blocks for ids in block_ids):
             return False, None                    # aborted before its prefill ended
-        self._sends[request.request_id] = list(block_ids[:num_blocks])
+        self._sends[request.request_id] = tuple(
+            [None if b == NULL_BLOCK_ID else b for b in ids[:num_blocks]] for ids in block_ids)
         return True, {"do_remote_prefill": True, "remote_request_id": request.request_id}
 
     # -- worker side -------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
+        missing = [name for name in kv_caches if name not in self._group_of_layer]
+        if missing:
+            raise ValueError(f"P2pConnector: layers {missing} are in no KV cache group")
+        self._layer_groups = [self._group_of_layer[name] for name in kv_caches]
         self._connect()
 
     def _connect(self) -> None:
@@ -213,19 +251,33 @@ class P2pConnector(KVConnectorBase_V1):
         first = next(iter(self.kv_caches.values()))
         return torch.empty((len(self.kv_caches), *first.shape[1:]), dtype=first.dtype)
 
+    def _gather(self, block_ids: GroupBlockIds) -> torch.Tensor:
+        """``[num_blocks, num_layers, 2, block_size, H, D]``: block ``j`` of every
+        layer, read from the block its group holds (zeros for a null block)."""
+        caches = list(self.kv_caches.values())
+        num_blocks = len(block_ids[0])
+        out = torch.zeros((num_blocks, len(caches), *caches[0].shape[1:]),
+                          dtype=caches[0].dtype)
+        for layer, (cache, g) in enumerate(zip(caches, self._layer_groups)):
+            rows = [j for j, b in enumerate(block_ids[g]) if b is not None]
+            if rows:
+                index = torch.tensor([block_ids[g][j] for j in rows], dtype=torch.long,
+                                     device=cache.device)
+                out[rows, layer] = cache.index_select(0, index).cpu()
+        return out
+
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        caches = list(self.kv_caches.values())
         for req_id, block_ids in meta.sends.items():
-            blocks = gather_blocks(caches, block_ids).cpu()   # held: stable until sent
-            limit = len(block_ids)
+            blocks = self._gather(block_ids)                  # held: stable until sent
+            limit = len(block_ids[0])
             if self.stall_after_blocks is not None:
                 limit = max(0, min(limit, int(self.stall_after_blocks) - self.num_blocks_sent))
             buffers = [blocks[j].contiguous() for j in range(limit)]
             works = [self._group.send([buf], CONSUMER_RANK, block_tag(req_id, j))
                      for j, buf in enumerate(buffers)]
             self.num_blocks_sent += limit
-            self._start(req_id, works, buffers, len(block_ids), unposted=None)
+            self._start(req_id, works, buffers, len(block_ids[0]), unposted=None)
         for req_id, (num_blocks, first, block_ids) in meta.recvs.items():
             buffers = [self._block_buffer() for _ in range(num_blocks)]
             works = []
@@ -281,7 +333,10 @@ class P2pConnector(KVConnectorBase_V1):
         if index < first:
             return                                # already in this engine's prefix cache
         block = self._transfers[req_id].buffers[index]
-        scatter_blocks(list(self.kv_caches.values()), [block_ids[index - first]], block[None])
+        for layer, (cache, g) in enumerate(zip(self.kv_caches.values(), self._layer_groups)):
+            target = block_ids[g][index - first]
+            if target is not None:                # a window block out of the window: none
+                cache[target].copy_(block[layer].to(cache.device, cache.dtype))
         self.stats.num_loaded_blocks += 1
         self.stats.bytes_loaded += block.numel() * block.element_size()
 
@@ -293,7 +348,8 @@ class P2pConnector(KVConnectorBase_V1):
             self._finished_sending.add(req_id)
             return
         first, block_ids = self._recv_targets.pop(req_id)
-        failed = [block_ids[j - first] for j, o in enumerate(outcomes) if o != "ok" and j >= first]
+        failed = [ids[j - first] for j, o in enumerate(outcomes) if o != "ok" and j >= first
+                  for ids in block_ids if ids[j - first] is not None]
         self._load_errors.update(failed)
         self.stats.num_failed_blocks += len(failed)
         self._finished_recving.add(req_id)
