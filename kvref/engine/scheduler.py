@@ -914,10 +914,10 @@ class Scheduler:
         for request in requests:
             all_groups = self.kv_cache_manager.get_block_ids(request.request_id)
             if len(all_groups) != 1:
-                # vLLM 0.25.1 has no per-group path here yet: a TODO ("add support for
-                # hybrid memory allocator", scheduler.py:2545) over an unpacking of
-                # the one group (:2546) that fails the same way (ValueError), so a
-                # failed load on a hybrid model stops the engine there too.
+                # vLLM 0.25.1 has no per-group path here yet: a TODO for the hybrid
+                # manager (scheduler.py:2545) over an unpacking of the one group
+                # (:2546) that fails the same way (ValueError), so a failed load on
+                # a hybrid model stops the engine there too.
                 raise ValueError(
                     f"a KV load failed for request {request.request_id!r} of a model with "
                     f"{len(all_groups)} KV cache groups: load-failure handling supports "
