@@ -484,16 +484,18 @@ def _mask_hashes(op_name: str, ret):
 
 
 def replay(trace: dict, compare_hashes: bool = True,
-           check_invariants: bool = False) -> ReplayResult:
+           check_invariants: bool = False, replayer_class: type | None = None) -> ReplayResult:
     """Replay a whole trace; stop at the first divergence.
 
     ``check_invariants`` also runs ``KVCacheManager.check_valid`` after every op
-    (a violation raises ``InvariantViolation``)."""
+    (a violation raises ``InvariantViolation``). ``replayer_class`` replays on
+    something else than kvref (a ``TraceReplayer`` subclass building another
+    manager, as ``tools/vllm_versions.py`` does for a named vLLM release)."""
     name = trace.get("name", "?")
     header = trace["header"]
     compare_hashes = compare_hashes and header["hash"].get("none_hash_seed") is not None
     try:
-        replayer = TraceReplayer(header)
+        replayer = (replayer_class or TraceReplayer)(header)
     except Exception as exc:  # noqa: BLE001 - reported as a divergence
         return ReplayResult(name, 0, Divergence(-1, None, "construction", "a manager",
                                                 f"{type(exc).__name__}: {exc}"))
