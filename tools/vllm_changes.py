@@ -332,9 +332,10 @@ class Residual:
 
 RESIDUALS = [
     Residual("mamba_all_removed",
-             "Mamba mode `all` is gone: a Mamba group with prefix caching must use `align` "
-             "(building the manager raises `AssertionError`)",
-             [SRC + "single_type_kv_cache_manager.py:1442-1444"],
+             "Mamba mode `all` is gone (the modes are `align` and `none`), and a Mamba group "
+             "with prefix caching must use `align` (building the manager raises "
+             "`AssertionError`)",
+             ["vllm/config/cache.py:176", SRC + "single_type_kv_cache_manager.py:1442-1444"],
              "only `align` keeps states on block boundaries a hit can resume from"),
     Residual("mamba_align_eagle",
              "Mamba `align` with EAGLE: no peek margin for Mamba groups (0.25.1's hit one "
