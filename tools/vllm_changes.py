@@ -236,7 +236,7 @@ def replay_trace(trace: dict, version: str, changes: list[Change]) -> dict:
     """Replay with ``changes`` undone: ``{"identical": True}``, or the first
     divergence: op index (-1: construction), op name, field path, the values
     there (shortened) and both whole answers of that op (``"0.25.1"``, ``"new"``)."""
-    from kvref.verify.trace_replay import _compare, first_difference
+    from kvref.verify.trace_replay import compare_observation, first_difference
     from vllm_versions import replayer_class
 
     hooks = [c.after_build for c in changes if c.after_build]
@@ -276,7 +276,7 @@ def replay_trace(trace: dict, version: str, changes: list[Change]) -> dict:
                 compared = {k: v for k, v in observed.items() if k != "ret"}
             else:
                 compared = observed
-            diff = _compare(op, expected, compared, state, True)
+            diff = compare_observation(op, expected, compared, state, True)
             if diff:
                 old = {**{k: v for k, v in op["expect"].items() if k != "state"},
                        "state": state}

@@ -513,13 +513,17 @@ def replay(trace: dict, compare_hashes: bool = True,
         if expected is None:
             continue
         state = expected.get("state", state)  # absent = unchanged since the last op
-        diff = _compare(op, expected, observed, state, compare_hashes)
+        diff = compare_observation(op, expected, observed, state, compare_hashes)
         if diff:
             return ReplayResult(name, i + 1, Divergence(i, op, *diff))
     return ReplayResult(name, len(trace["ops"]), None)
 
 
-def _compare(op, expected, observed, state, compare_hashes):
+def compare_observation(op: dict, expected: dict, observed: dict, state: dict,
+                        compare_hashes: bool) -> tuple[str, Any, Any] | None:
+    """``(path, expected, actual)`` of the first difference between what an op
+    was recorded answering (``expected``, with the pool digest ``state`` carried
+    forward) and what a replay ``observed``; None when they agree."""
     if expected.get("raises") != observed.get("raises"):
         return "raises", expected.get("raises"), observed.get("raises")
     if ("ret" in expected) != ("ret" in observed):
