@@ -32,12 +32,15 @@ divergence: a change this tool does not undo.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import time
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -369,10 +372,75 @@ NEW_MECHANISMS = [
 
 
 # --------------------------------------------------------------------------
+# how much the KV layer grew (read from both releases' sources; stdlib only)
+
+KV_LAYER = ["block_pool.py", "kv_cache_coordinator.py", "kv_cache_manager.py",
+            "kv_cache_utils.py", "single_type_kv_cache_manager.py"]
+# 0.33.0 moved the KV cache config builder out of kv_cache_utils.py into these.
+NEW_MODULES = {"0.33.0": ["kv_cache_config_builder.py", "kv_cache_planning.py"]}
+
+
+def _drop_docstrings(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: not blank, not only a comment, not in a docstring."""
+    tree = ast.parse(source)
+    in_docstring = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                in_docstring.update(range(body[0].lineno, body[0].end_lineno + 1))
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENDMARKER)
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skip:
+            lines.update(n for n in range(token.start[0], token.end[0] + 1)
+                         if n not in in_docstring)
+    return len(lines)
+
+
+def functions(source: str) -> dict[str, str]:
+    """Module functions and methods (``Class.name``), each as its AST without docstrings."""
+    found = {}
+    for node in ast.parse(source).body:
+        members = node.body if isinstance(node, ast.ClassDef) else [node]
+        for f in members:
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{node.name}.{f.name}" if f is not node else f.name
+                found[name] = ast.dump(_drop_docstrings(ast.parse(ast.unparse(f))))
+    return found
+
+
+def source_sizes(old_core: Path, new_core: Path, new: str = NEW) -> dict:
+    """Code lines of the KV layer and functions of the single-type managers, both releases."""
+    def read(core, name):
+        return (core / name).read_text(encoding="utf-8")
+    old_lines = sum(code_lines(read(old_core, f)) for f in KV_LAYER)
+    new_lines = sum(code_lines(read(new_core, f)) for f in KV_LAYER + NEW_MODULES.get(new, []))
+    old_f = functions(read(old_core, "single_type_kv_cache_manager.py"))
+    new_f = functions(read(new_core, "single_type_kv_cache_manager.py"))
+    return {"code_lines": {"0.25.1": old_lines, new: new_lines},
+            "single_type_functions": {"0.25.1": len(old_f), new: len(new_f)},
+            "single_type_functions_unchanged": sum(old_f[k] == new_f.get(k) for k in old_f),
+            "modules": {"0.25.1": KV_LAYER, new: KV_LAYER + NEW_MODULES.get(new, [])}}
+
+
+# --------------------------------------------------------------------------
 # the report
 
 
-def summarise(old: dict, new: dict) -> dict:
+def summarise(old: dict, new: dict, sizes: dict | None = None) -> dict:
     """The report's numbers and first ops from both workers' results."""
     old_identical = {t["trace"] for t in old["traces"] if t["as_is"]["identical"]}
     classes: dict[str, dict] = {}
@@ -411,7 +479,8 @@ def summarise(old: dict, new: dict) -> dict:
              for k in ("traces", "identical_0.25.1", "identical_as_is", "accounted")}
     return {"format": "vllm-changes/1", "old": "0.25.1", "new": new["version"],
             "tool": "python3 tools/vllm_changes.py", "total": total, "classes": classes,
-            "changes": changes, "residuals": residuals, "unexplained": unexplained}
+            "changes": changes, "residuals": residuals, "unexplained": unexplained,
+            "sizes": sizes}
 
 
 def _answer(value) -> str:
@@ -480,6 +549,19 @@ def render(summary: dict) -> str:
         lines += ["### Unexplained", ""] + [
             f"- `{u['trace']}` op #{u['index']} `{u['op']}` `{u['path']}`"
             for u in summary["unexplained"]] + [""]
+    sizes = summary.get("sizes")
+    if sizes:
+        lines += ["## How much the KV layer grew", "",
+                  f"Code lines (not blank, comment or docstring) of `{SRC}`: "
+                  f"{sizes['code_lines']['0.25.1']:,} in 0.25.1 "
+                  f"({', '.join(sizes['modules']['0.25.1'])}), "
+                  f"{sizes['code_lines'][new]:,} in {new} (the same and "
+                  f"{', '.join(sizes['modules'][new][len(sizes['modules']['0.25.1']):])}, which "
+                  "took over the KV cache config builder). Functions and methods of "
+                  f"`single_type_kv_cache_manager.py`: {sizes['single_type_functions']['0.25.1']}"
+                  f" in 0.25.1, {sizes['single_type_functions'][new]} in {new}; "
+                  f"{sizes['single_type_functions_unchanged']} unchanged (the same code, "
+                  "docstrings aside).", ""]
     lines += ["## New mechanisms none of kvref's traces reach", ""]
     for text, cause in NEW_MECHANISMS:
         lines.append(f"- {text} (" + ", ".join(f"`{c}`" for c in cause) + ")")
@@ -543,7 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     old = run_worker(args.old_python, "0.25.1")
     new = run_worker(args.new_python, NEW)
-    summary = summarise(old, new)
+    sizes = source_sizes(Path(args.old_python).parents[1] / "vllm-src" / SRC,
+                         Path(args.new_python).parents[1] / "vllm-src" / SRC)
+    summary = summarise(old, new, sizes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = Path(f"{args.out}.md")
     report.write_text(render(summary), encoding="utf-8")

@@ -109,3 +109,17 @@ def test_untag_gives_back_the_keys_0251_hashed():
               ("prompt_embeds", b"\x01"))
     assert vllm_changes.untag(tagged) == ("chat", ("img-1", 3), "s", b"\x01")
     assert vllm_changes.untag(None) is None
+
+
+def test_code_lines_leave_out_blanks_comments_and_docstrings():
+    source = '"""Module doc."""\n\n# a comment\ndef f(x):\n    """Doc\n    more."""\n' \
+             '    return (x +\n            1)  # why\n'
+    assert vllm_changes.code_lines(source) == 3      # def, and the two lines of the return
+
+
+def test_a_function_with_only_its_docstring_changed_counts_as_unchanged():
+    old = vllm_changes.functions('class A:\n    def f(self):\n        """Old."""\n        return 1\n')
+    new = vllm_changes.functions('class A:\n    def f(self):\n        """New."""\n        return 1\n'
+                                 '    def g(self):\n        return 2\n')
+    assert list(old) == ["A.f"] and list(new) == ["A.f", "A.g"]
+    assert old["A.f"] == new["A.f"]
