@@ -201,6 +201,43 @@ CHANGES.append(
            "`FullAttentionManager._cache_partial_tail_block` does nothing",
            patches=[(SINGLE, "FullAttentionManager._cache_partial_tail_block",
                      lambda original: lambda self, request, num_tokens: None)]))
+class _NotASpec:
+    """Matches no spec: ``isinstance(spec, _NotASpec)`` is always False."""
+
+
+CHANGES.append(
+    Change("mamba_eagle_no_margin",
+           "with EAGLE, a Mamba group no longer gets the one-block peek margin: 0.25.1's "
+           "Mamba hit ran one block past its full-attention blocks (INV-HIT-2); 0.33.0's "
+           "is exactly as long (shorter hits)",
+           [SRC + "kv_cache_coordinator.py:870-875"],
+           "\"no margin for mamba: its finder never drops (draft models have no mamba "
+           "layers), so the hit would grow past the candidate\" (kv_cache_coordinator.py:871-874)",
+           "the coordinator's `isinstance(spec, MambaSpec)` tests see no Mamba spec, so the "
+           "margin applies to Mamba too, as in 0.25.1",
+           patches=[(COORD, "MambaSpec", lambda original: _NotASpec)]))
+def _keep_speculative_margin(original):
+    """0.25.1 subtracted ``num_speculative_blocks`` from the computed tokens before
+    freeing a Mamba group's skipped blocks (0.25.1 single_type_kv_cache_manager.py:1156)."""
+    def remove_skipped_blocks(self, request_id, processed_computed_tokens,
+                              num_prompt_tokens=None):
+        return original(self, request_id,
+                        max(0, processed_computed_tokens - self.num_speculative_blocks),
+                        num_prompt_tokens)
+    return remove_skipped_blocks
+
+
+CHANGES.append(
+    Change("mamba_frees_without_margin",
+           "a Mamba group frees its skipped blocks from the computed tokens as they are; 0.25.1 "
+           "first took `num_speculative_blocks` off them, in case draft tokens were rejected "
+           "(with EAGLE: a block freed a step earlier)",
+           [SRC + "single_type_kv_cache_manager.py:1629-1657", SRC + "kv_cache_manager.py:555-567"],
+           "`allocate_slots` now frees every group \"on the processed-token basis\": the "
+           "computed tokens less the request's tokens in flight, which \"rejected spec "
+           "tokens can roll back\" (kv_cache_manager.py:561-567); Mamba's own margin went",
+           "`MambaManager.remove_skipped_blocks` takes `num_speculative_blocks` off first",
+           patches=[(SINGLE, "MambaManager.remove_skipped_blocks", _keep_speculative_margin)]))
 CHANGE_KEYS = [c.key for c in CHANGES]
 
 
@@ -330,7 +367,7 @@ class Residual:
         found = entry["all_undone"]
         if self.key == "mamba_all_removed":
             return "mamba_cache_mode='align'" in str(found.get("actual"))
-        return self.key == "mamba_align_eagle" and entry["class"] == "mamba_align"
+        return False
 
 
 RESIDUALS = [
@@ -338,18 +375,10 @@ RESIDUALS = [
              "Mamba mode `all` is gone (the modes are `align` and `none`), and a Mamba group "
              "with prefix caching must use `align` (building the manager raises "
              "`AssertionError`)",
-             ["vllm/config/cache.py:176", SRC + "single_type_kv_cache_manager.py:1442-1444"],
-             "only `align` keeps states on block boundaries a hit can resume from"),
-    Residual("mamba_align_eagle",
-             "Mamba `align` with EAGLE: no peek margin for Mamba groups (0.25.1's hit one "
-             "block past its full-attention blocks, INV-HIT-2, is fixed: shorter hits), and "
-             "speculative blocks are relocated and freed differently (fewer blocks held)",
-             [SRC + "kv_cache_coordinator.py:870-875",
-              SRC + "single_type_kv_cache_manager.py:1836-1870",
-              SRC + "single_type_kv_cache_manager.py:1925-1934"],
-             "\"no margin for mamba: its finder never drops (draft models have no mamba "
-             "layers)\" (kv_cache_coordinator.py:871-874); this tool does not undo these, "
-             "so their traces count as not accounted"),
+             ["vllm/config/cache.py:176", "vllm/config/cache.py:304-311",
+              SRC + "single_type_kv_cache_manager.py:1442-1444"],
+             "the mode now follows prefix caching: `none` without it, `align` with it "
+             "(vllm/config/cache.py:305-311); there is no mode that caches every state"),
 ]
 
 NEW_MECHANISMS = [
@@ -363,8 +392,10 @@ NEW_MECHANISMS = [
      [SRC + "kv_cache_manager.py:266-328"]),
     ("lookahead hashing: hashes computed for tokens not yet scheduled "
      "(`num_hash_lookahead_tokens`)", [SRC + "kv_cache_manager.py:141"]),
-    ("a recycling-aware admission cap for sliding-window and chunked-local groups, from "
-     "`max_in_flight_tokens`", [SRC + "single_type_kv_cache_manager.py:2636-2651"]),
+    ("in-flight tokens: blocks are freed only below the tokens fully processed "
+     "(`num_computed_tokens - num_in_flight_tokens`), and window groups get an admission cap "
+     "from `max_in_flight_tokens`",
+     [SRC + "kv_cache_manager.py:561-567", SRC + "single_type_kv_cache_manager.py:2636-2651"]),
     ("a host tier with its own block pool (HiSparse)",
      [SRC + "single_type_kv_cache_manager.py:2223-2240"]),
     ("circular-buffer KV cache specs", ["vllm/v1/kv_cache_interface.py:968"]),

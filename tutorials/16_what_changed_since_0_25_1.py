@@ -25,7 +25,8 @@
 # 0.33.0's: `tutorials/data/vllm_0.33_answers.json`. This lesson needs no vLLM.
 # For each change it replays that trace on **kvref** up to that op, shows
 # kvref's answer next to 0.33.0's recorded one, and checks what it says about
-# the difference. Line numbers below are vLLM 0.33.0's (`vllm/v1/core/...`).
+# the difference. (0.33.0's answer was recorded with the *other* changes undone,
+# so that each shows alone.) Line numbers below are vLLM 0.33.0's (`vllm/v1/core/...`).
 
 # %%
 import json
@@ -77,8 +78,8 @@ def side_by_side(entry, mine, new, label="ret"):
 #
 # Every trace replays identically on 0.25.1 through the same adapter (the
 # harness is sound). On 0.33.0 only a few replay identically as they are; with
-# each behaviour change below undone, most do. Two Mamba changes are not undone
-# by the tool, so their traces stay apart (sections 8 and 9).
+# each behaviour change below undone, all do but those with Mamba mode `all`,
+# which 0.33.0 no longer has (section 8): nothing undoes a removed mode.
 
 # %%
 section("0. 254 traces on two releases")
@@ -293,19 +294,17 @@ claim(entry[NEW]["raises"].startswith("AssertionError") and "'align'" in entry[N
       f"{NEW} refuses it; {entry['traces']} traces stop at construction")
 
 # %% [markdown]
-# ## 9. Mamba `align` with EAGLE: the defect kvref teaches is fixed
+# ## 9. Mamba with EAGLE: the defect kvref teaches is fixed
 #
 # Lesson 10 shows vLLM 0.25.1's EAGLE + Mamba defect (INV-HIT-2): the Mamba
 # group takes the EAGLE peek margin but never drops a block, so a hit can run
 # one block past the full-attention blocks. 0.33.0 gives Mamba no margin: "its
 # finder never drops (draft models have no mamba layers)"
-# (`kv_cache_coordinator.py:870-875`). Speculative Mamba blocks are also
-# relocated and freed differently (`single_type_kv_cache_manager.py:1836-1870`,
-# `:1925-1934`); the tool undoes neither, so these traces stay apart.
+# (`kv_cache_coordinator.py:870-875`).
 
 # %%
 section("9. Mamba + EAGLE hits")
-entry, trace, replayer, observed = on_kvref("mamba_align_eagle")
+entry, trace, replayer, observed = on_kvref("mamba_eagle_no_margin")
 side_by_side(entry, observed["ret"], entry[NEW]["ret"])
 full, mamba = (trace["header"]["groups"][0]["block_size"], observed["ret"]["blocks"][0])
 mine = observed["ret"]["num_computed_tokens"]
@@ -315,6 +314,36 @@ claim(observed["ret"] == entry["0.25.1"]["ret"] and mine > len(mamba) * full,
       f"of {full} (INV-HIT-2)")
 claim(theirs == len(entry[NEW]["ret"]["blocks"][0]) * full < mine,
       f"{NEW}: {theirs} tokens, exactly its full-attention blocks")
+
+# %% [markdown]
+# ## 10. Mamba frees on processed tokens, without its own margin
+#
+# 0.25.1's Mamba manager took `num_speculative_blocks` off the computed tokens
+# before freeing the blocks a hit no longer needs, in case draft tokens were
+# rejected. 0.33.0 dropped that margin (`single_type_kv_cache_manager.py:1629-1657`)
+# because `allocate_slots` now frees every group "on the processed-token
+# basis": the computed tokens less the request's tokens in flight
+# (`kv_cache_manager.py:561-567`). With EAGLE, a Mamba block goes back to the
+# pool a step earlier.
+
+# %%
+section("10. Mamba's freeing margin")
+entry, trace, replayer, observed = on_kvref("mamba_frees_without_margin")
+op = trace["ops"][entry["index"]]
+groups = trace["header"]["groups"]
+mamba_group = next(i for i, g in enumerate(groups) if g["kind"] == "mamba")
+held = {b.block_id for b in replayer.manager.coordinator.single_type_managers[mamba_group]
+        .req_to_blocks[op["req"]]}
+mine_ref = {block for block, _ in observed["state"]["ref"]}
+their_ref = {block for block, _ in entry[NEW]["state"]["ref"]}
+show(f"free blocks after op #{entry['index']} {op['op']}: kvref "
+     f"{observed['state']['nfree']}, {NEW} {entry[NEW]['state']['nfree']}; "
+     f"blocks kvref holds and {NEW} freed: {sorted(mine_ref - their_ref)}")
+claim(observed["state"] == entry["0.25.1"]["state"], "kvref's pool is 0.25.1's")
+claim(entry[NEW]["state"]["nfree"] > observed["state"]["nfree"]
+      and bool(mine_ref - their_ref) and (mine_ref - their_ref) <= held,
+      f"{NEW} has more free blocks, and the ones it freed are this request's Mamba blocks "
+      f"(num_speculative_blocks {groups[mamba_group]['num_speculative_blocks']})")
 
 # %% [markdown]
 # ## What kvref does not model
@@ -344,6 +373,6 @@ claim(theirs == len(entry[NEW]["ret"]["blocks"][0]) * full < mine,
 section("What the recorded answers cover")
 covered = sorted(ANSWERS["answers"])
 show(", ".join(covered))
-claim(len(covered) == 9 and all(ANSWERS["answers"][k]["traces"] > 0 for k in covered),
-      "nine changes, each seen in at least one vendored trace")
+claim(len(covered) == 10 and all(ANSWERS["answers"][k]["traces"] > 0 for k in covered),
+      "ten changes, each seen in at least one vendored trace")
 finish()
