@@ -8,7 +8,7 @@ each one on vLLM 0.25.1 and on a newer release through the adapter of
 identically, and for each behaviour change the first op where it shows
 (the 0.25.1 answer, the newer one) and the newer vLLM's lines that cause it::
 
-    python3 tools/vllm_changes.py            # ~2 minutes on 2 CPU cores
+    python3 tools/vllm_changes.py     # ~6 minutes on 2 busy cores (1.5 min of CPU)
 
 It runs itself under each release's interpreter (``--python-0.25.1``,
 ``--python-0.33.0``: by default ``/root/.cache/vllm-oracle/bin/python`` and

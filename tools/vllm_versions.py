@@ -31,9 +31,13 @@ Every difference the adapter bridges is an API change, not a behaviour change
 
 The pure functions below (``manager_kwargs``, ``config_kwargs``,
 ``retention_env``, ``computed_blocks``, ``let_sink_manager_take``) are the
-adapter; they are tested without vLLM (``tests/tools/test_vllm_versions.py``).
+adapter; they are tested without vLLM (``tests/conformance/test_vllm_versions.py``).
 ``replay_on(trace, version)`` needs that release importable: run it with the
 interpreter ``python3 tools/setup_vllm_venv.py --vllm-version V DIR`` makes.
+From the command line, the first divergence of each trace on a named release::
+
+    PYTHONPATH=$PWD /root/.cache/vllm-oracle-0.33.0/bin/python tools/vllm_versions.py \\
+        --vllm-version 0.33.0 tests/conformance/traces/sink
 """
 
 from __future__ import annotations
@@ -225,3 +229,28 @@ def replayer_class(version: str):
 def replay_on(trace: dict, version: str) -> ReplayResult:
     """Replay one trace on vLLM ``version``; the first divergence or none."""
     return replay(trace, replayer_class=replayer_class(version))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from kvref.verify.trace_replay import find_traces, load_trace
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-version", required=True, choices=VERSIONS)
+    parser.add_argument("traces", nargs="+", type=Path, help="trace files or folders")
+    args = parser.parse_args(argv)
+    paths = list(find_traces(args.traces))
+    if not paths:
+        parser.error(f"no .json or .json.gz traces under {', '.join(map(str, args.traces))}")
+    divergent = 0
+    for path in paths:
+        result = replay_on(load_trace(path), args.vllm_version)
+        divergent += result.divergence is not None
+        print(f"{path.name}: {result.divergence or 'identical'}", flush=True)
+    print(f"{len(paths)} traces on vLLM {args.vllm_version}, {divergent} divergent")
+    return 1 if divergent else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
