@@ -119,8 +119,10 @@ def let_sink_manager_take(manager_class, version: str) -> None:
     """
     keyword = SINK_MISSING_KEYWORD[check_version(version)]
     vllm_init = manager_class.__init__
-    if getattr(vllm_init, "_takes", None) == keyword:
-        return
+    if getattr(vllm_init, "_takes", None) == keyword or (
+            keyword == "scheduler_block_size"
+            and getattr(vllm_init, "_takes_scheduler_block_size", False)):
+        return          # wrapped already (here, or by tools/record_vllm_traces.py)
 
     def init(self, kv_cache_spec, **kwargs) -> None:
         value = kwargs.pop(keyword, None)
