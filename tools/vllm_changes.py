@@ -196,8 +196,10 @@ CHANGES.append(
            "(one hash, `block_size` = the hash block size) and an entry a later request "
            "can hit part of (copy-on-write)",
            [SRC + "single_type_kv_cache_manager.py:840-896", SRC + "block_pool.py:486"],
-           "partial hash hits: a resend may match at most `prompt_len - 1` tokens, so the "
-           "prompt's tail boundary is worth caching (docstring, :864-868)",
+           "so that a resend can hit the prompt up to its last hash boundary, not only up "
+           "to its last whole block: \"only the final prompt hash boundary is registered as a "
+           "partial prefix-cache entry\" (:864-868); the hit then copies the block "
+           "(copy-on-write, :389-398)",
            "`FullAttentionManager._cache_partial_tail_block` does nothing",
            patches=[(SINGLE, "FullAttentionManager._cache_partial_tail_block",
                      lambda original: lambda self, request, num_tokens: None)]))
