@@ -485,16 +485,18 @@ def _mask_hashes(op_name: str, ret):
 
 
 def replay(trace: dict, compare_hashes: bool = True,
-           check_invariants: bool = False) -> ReplayResult:
+           check_invariants: bool = False, replayer_class: type | None = None) -> ReplayResult:
     """Replay a whole trace; stop at the first divergence.
 
     ``check_invariants`` also runs ``KVCacheManager.check_valid`` after every op
-    (a violation raises ``InvariantViolation``)."""
+    (a violation raises ``InvariantViolation``). ``replayer_class`` replays on
+    something else than kvref (a ``TraceReplayer`` subclass building another
+    manager, as ``tools/vllm_versions.py`` does for a named vLLM release)."""
     name = trace.get("name", "?")
     header = trace["header"]
     compare_hashes = compare_hashes and header["hash"].get("none_hash_seed") is not None
     try:
-        replayer = TraceReplayer(header)
+        replayer = (replayer_class or TraceReplayer)(header)
     except Exception as exc:  # noqa: BLE001 - reported as a divergence
         return ReplayResult(name, 0, Divergence(-1, None, "construction", "a manager",
                                                 f"{type(exc).__name__}: {exc}"))
@@ -512,13 +514,17 @@ def replay(trace: dict, compare_hashes: bool = True,
         if expected is None:
             continue
         state = expected.get("state", state)  # absent = unchanged since the last op
-        diff = _compare(op, expected, observed, state, compare_hashes)
+        diff = compare_observation(op, expected, observed, state, compare_hashes)
         if diff:
             return ReplayResult(name, i + 1, Divergence(i, op, *diff))
     return ReplayResult(name, len(trace["ops"]), None)
 
 
-def _compare(op, expected, observed, state, compare_hashes):
+def compare_observation(op: dict, expected: dict, observed: dict, state: dict,
+                        compare_hashes: bool) -> tuple[str, Any, Any] | None:
+    """``(path, expected, actual)`` of the first difference between what an op
+    was recorded answering (``expected``, with the pool digest ``state`` carried
+    forward) and what a replay ``observed``; None when they agree."""
     if expected.get("raises") != observed.get("raises"):
         return "raises", expected.get("raises"), observed.get("raises")
     if ("ret" in expected) != ("ret" in observed):
