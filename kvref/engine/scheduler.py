@@ -281,6 +281,8 @@ class Scheduler:
                 kv_transfer_config, KVConnectorRole.SCHEDULER, kv_cache_manager.kv_cache_config)
             self.recompute_kv_load_failures = \
                 kv_transfer_config.kv_load_failure_policy == "recompute"
+            # Once, now that the manager exists (vLLM builds it after the connector).
+            self.connector.bind_gpu_block_pool(kv_cache_manager.block_pool)
         # Tokens asked of the connector beyond the local hit, and those it had.
         self.connector_prefix_cache_stats = PrefixCacheStats() if self.connector else None
         self.finished_recving_kv_req_ids: set[str] = set()
@@ -292,6 +294,10 @@ class Scheduler:
         self.step_records: list[StepRecord] = []
         self._records_in_flight: dict[int, StepRecord] = {}   # id(SchedulerOutput) -> record
         self.stats = SchedulerStats()
+        # What update_from_output publishes: the KV cache events of each step
+        # (``take_events``), and the connector's stats of the last step.
+        self.kv_event_batches: list[list] = []
+        self.kv_connector_stats = None
 
         # Deferred frees (vLLM's fence): steps scheduled and steps processed,
         # counted over steps that schedule tokens, and the blocks waiting for a
@@ -323,6 +329,8 @@ class Scheduler:
                              f"{self.max_model_len})")
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        if self.connector is not None:
+            self.connector.on_new_request(request)
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += request.num_prompt_tokens
 
@@ -367,8 +375,10 @@ class Scheduler:
     def has_requests(self) -> bool:
         """Whether the engine must step again (vLLM's ``has_requests``): unfinished
         requests, or finished ones no ``SchedulerOutput`` has reported yet (so
-        vLLM's engine runs one more, empty, step after the last request ends)."""
-        return self.has_unfinished_requests() or self.has_finished_requests()
+        vLLM's engine runs one more, empty, step after the last request ends), or
+        a connector with push work still in flight."""
+        return (self.has_unfinished_requests() or self.has_finished_requests()
+                or (self.connector is not None and self.connector.has_pending_push_work()))
 
     # -- one step ------------------------------------------------------------
 
@@ -501,6 +511,9 @@ class Scheduler:
                     if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                         break
                     num_new_tokens = min(num_new_tokens, token_budget)
+                    # Fails when a connector offered a synchronous hit of the whole
+                    # sequence (a full hit must leave the last token to compute).
+                    assert num_new_tokens > 0, request.request_id
 
                 # An async load holds its blocks with no progress until it lands: admit
                 # it only if the in-flight prefills can still finish after it.
@@ -732,9 +745,29 @@ class Scheduler:
             finished.extend(failed)
             if record is not None:
                 record.finished.extend(r.request_id for r in failed)
+        if self.connector is not None and kv_connector_output is not None:
+            # (None: a step without a forward whose connector had nothing to report.)
+            self._update_from_kv_xfer_finished(kv_connector_output)
         if self.connector is not None:
-            self._update_from_kv_xfer_finished(kv_connector_output or KVConnectorOutput())
+            # The connector's own counters for this step (vLLM adds them to the
+            # step's SchedulerStats).
+            self.kv_connector_stats = self.connector.get_kv_connector_stats()
+        # The manager's KV cache events and the connector's go out together, once
+        # per step (vLLM publishes them as one KVEventBatch; with events off its
+        # publisher drops them, the connector's included).
+        events = list(self.kv_cache_manager.take_events())
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        if events and self.kv_cache_manager.block_pool.enable_kv_cache_events:
+            self.kv_event_batches.append(events)
         return finished
+
+    def take_events(self) -> list:
+        """The KV cache events published since the last call, oldest first: the
+        manager's block events and the connector's, taken after each step (none
+        unless the manager was built with ``enable_kv_cache_events``)."""
+        batches, self.kv_event_batches = self.kv_event_batches, []
+        return [event for batch in batches for event in batch]
 
     def _update_request_with_output(self, request: EngineRequest, new_token_ids: list[int]
                                     ) -> tuple[list[int], bool]:
