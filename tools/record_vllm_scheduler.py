@@ -45,6 +45,19 @@ them from the trace):
   Requests arrive before a numbered engine iteration (one call of the step
   function); an idle engine jumps to the next arrival.
 
+* A KV connector (the ``conn_*`` profiles): vLLM's scheduler builds
+  ``SimConnector`` (below, on vLLM's ``KVConnectorBase_V1``; kv_role
+  ``kv_both``, one full-attention group, the hybrid manager off as for any
+  connector without ``SupportsHMA``), which answers from a per-request plan
+  drawn with the run (``draw_plan``) and logs every call; the worker's
+  ``SimTransfers`` ends each load or send a planned number of worker steps
+  later and reports failed blocks, and a step without a forward that has
+  nothing to report returns no ``KVConnectorOutput``, as vLLM's runner does.
+  The events then also carry the connector's calls, the KV cache manager's
+  calls, the published KV event batches and every request's status, and a run
+  aborts its unfinished requests after ``STALL_STEPS`` empty schedules.
+  ``kvref/verify/sim_connector.py`` is the same connector on kvref's side.
+
 Set ``PYTHONHASHSEED`` (the tool re-executes itself with ``0`` when unset):
 vLLM seeds its ``NONE_HASH`` from it and iterates sets of request ids.
 """
@@ -165,30 +178,30 @@ _LOADS = dict(ext=0.75, async_=0.5, delay=(1, 5), none=0.2, fail=0.25, hold=0.35
               hold_steps=(1, 4))
 PROFILES.update({
     # Synchronous loads (whole blocks, never the last token), some failing, producer holds.
-    "conn_sync": dict(_CONN, runs=12, blocks=(40, 64), budget=(8, 32),
+    "conn_sync": dict(_CONN, runs=24, blocks=(40, 64), budget=(8, 32),
                       connector=dict(_LOADS, async_=0.0, policy="recompute")),
     # Asynchronous loads that land 1-5 steps later, some failing (some in their first
     # block: nothing lands), "ask again" answers, holds; policy "recompute".
-    "conn_async": dict(_CONN, runs=12, blocks=(40, 64), budget=(8, 32),
+    "conn_async": dict(_CONN, runs=24, blocks=(40, 64), budget=(8, 32),
                        connector=dict(_LOADS, async_=0.7, policy="recompute")),
     # The same loads under vLLM's default policy "fail".
-    "conn_fail": dict(_CONN, runs=14, blocks=(40, 64), budget=(8, 32),
+    "conn_fail": dict(_CONN, runs=28, blocks=(40, 64), budget=(8, 32),
                       connector=dict(_LOADS, policy="fail")),
     # Tight pools: reserved_blocks decides admissions of async loads; requests with
     # external tokens are preempted and asked again.
-    "conn_tight": dict(_CONN, runs=16, blocks=(16, 24), max_model_len=48, budget=(6, 16),
+    "conn_tight": dict(_CONN, runs=32, blocks=(16, 24), max_model_len=48, budget=(6, 16),
                        requests=(6, 10), outputs=(4, 16), connector=dict(_LOADS, async_=0.6, delay=(1, 8), policy="recompute")),
-    "conn_tight_fail": dict(_CONN, runs=10, blocks=(16, 24), max_model_len=48,
+    "conn_tight_fail": dict(_CONN, runs=20, blocks=(16, 24), max_model_len=48,
                             budget=(6, 16), requests=(6, 10), outputs=(4, 16), connector=dict(_LOADS, async_=0.6, policy="fail")),
     # Async scheduling with a consumer: deferred frees (stop tokens end requests
     # while their next step is in flight), placeholders, both policies.
-    "conn_async_sched": dict(_CONN, runs=14, blocks=(40, 64), budget=(8, 32),
-                             async_scheduling=True, stops=True, vocab=12,
+    "conn_async_sched": dict(_CONN, runs=28, blocks=(40, 64), budget=(8, 32),
+                             async_scheduling=True, stops=True, vocab=12, outputs=(4, 16),
                              connector=dict(_LOADS, policy="recompute")),
-    "conn_async_sched_fail": dict(_CONN, runs=12, blocks=(40, 64), budget=(8, 32),
+    "conn_async_sched_fail": dict(_CONN, runs=24, blocks=(40, 64), budget=(8, 32),
                                   async_scheduling=True, stops=True, vocab=12,
-                                  connector=dict(_LOADS, policy="fail")),
-    "conn_async_sched_tight": dict(_CONN, runs=16, blocks=(16, 24), max_model_len=48,
+                                  outputs=(4, 16), connector=dict(_LOADS, policy="fail")),
+    "conn_async_sched_tight": dict(_CONN, runs=32, blocks=(16, 24), max_model_len=48,
                                    budget=(6, 16), requests=(6, 10), outputs=(4, 16),
                                    async_scheduling=True,
                                    connector=dict(_LOADS, async_=0.6, delay=(1, 8),

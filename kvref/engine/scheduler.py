@@ -339,7 +339,9 @@ class Scheduler:
         """Finish requests from outside (an abort): dequeue and free them."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"{finished_status.name} is not a finished status")
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        # A set, as vLLM makes it: several requests end in its iteration order
+        # (which depends on PYTHONHASHSEED, for request-id strings).
+        ids = [request_ids] if isinstance(request_ids, str) else set(request_ids)
         for request_id in ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
@@ -740,7 +742,7 @@ class Scheduler:
         for request in stopped_preempted:
             self.waiting.remove(request)
         if failed_kv_load_req_ids and not self.recompute_kv_load_failures:
-            failed = [self.requests[req_id] for req_id in sorted(failed_kv_load_req_ids)]
+            failed = [self.requests[req_id] for req_id in failed_kv_load_req_ids]
             self.finish_requests(failed_kv_load_req_ids, RequestStatus.FINISHED_ERROR)
             finished.extend(failed)
             if record is not None:

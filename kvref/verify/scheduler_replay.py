@@ -15,6 +15,14 @@ each request arrived before), and one event per ``schedule()`` and per
 * ``update``: which step's output was applied, the tokens each request
   sampled, the requests that finished (and why), the free blocks and queues.
 
+With a KV connector (``config["connector"]``) both sides drive the same
+simulated connector (``sim_connector.py``), and every event also carries
+``conn`` (the connector calls since the previous event, arguments and
+answers) and ``kv`` (the KV cache manager's calls and answers); an update
+also carries the published KV events (block hashes compared by the order
+they first appear) and every request's status; ``abort`` events are the
+run cancelling what is left after ``STALL_STEPS`` empty schedules.
+
 The replay builds kvref's ``KVCacheManager`` and ``Scheduler`` (or
 ``AsyncScheduler``) from the configuration, runs them with kvref's
 ``ModelFreeRunner`` and kvref's own engine loop, and records the same events
@@ -395,3 +403,26 @@ def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> Replay
 def replay_file(path: str | Path) -> list[ReplayResult]:
     doc = load_trace(path)
     return [replay_run(run, f"{doc['profile']}[{i}]") for i, run in enumerate(doc["runs"])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvref.verify.scheduler_replay TRACE...``: one JSON line per run
+    (name, steps, divergent steps, first divergence). Connector traces iterate
+    sets of request ids as vLLM does, so replay them under the recorder's
+    ``PYTHONHASHSEED`` (0)."""
+    import argparse
+    import sys
+    parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    parser.add_argument("traces", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    for path in args.traces:
+        for result in replay_file(path):
+            print(json.dumps({"name": result.name, "num_steps": result.num_steps,
+                              "divergent_steps": result.divergent_steps,
+                              "divergence": result.divergence}), flush=True)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

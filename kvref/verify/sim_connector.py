@@ -36,6 +36,7 @@ from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_
                                                                 KVConnectorMetadata,
                                                                 KVConnectorRole)
 from kvref.kv_events import BlockStored
+from kvref.math_utils import cdiv
 
 __all__ = ["SimConnector", "SimConnectorPlan", "SimTransfers"]
 
@@ -81,7 +82,7 @@ class SimConnectorPlan:
             return
         plan = self.plan(req_id)
         first = self.local[req_id] // self.block_size
-        end = -(-(self.local[req_id] + num_external) // self.block_size)
+        end = cdiv(self.local[req_id] + num_external, self.block_size)
         loaded = block_ids[0][first:end]
         failed = [loaded[i] for i in plan["fail"] if i < len(loaded)]
         if failed:
