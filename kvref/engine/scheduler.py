@@ -70,8 +70,13 @@ vLLM's connector path (the methods under "KV connector" below)::
       connector.update_state_after_alloc(req, its blocks, num_ext)
     schedule() ends with output.kv_connector_metadata = connector.build_connector_meta(output)
     update_from_output: invalid (failed) blocks -> back to the first of them
-      ("recompute") or FINISHED_ERROR ("fail"); finished sends free held blocks
+      ("recompute") or FINISHED_ERROR ("fail"); finished sends free held blocks;
+      then connector.get_kv_connector_stats() and connector.take_events() (published
+      with the manager's events, ``take_events``)
     a finishing request: connector.request_finished(req, block_ids) may hold its blocks
+    also: connector.bind_gpu_block_pool(pool) once at construction,
+      connector.on_new_request(req) in add_request, and
+      connector.has_pending_push_work() keeps has_requests() true
 
 Use it with any runner that turns a ``SchedulerOutput`` (``sched_output.py``)
 into a ``ModelRunnerOutput`` (``outputs.py``), stepped by ``EngineCore``
@@ -106,7 +111,8 @@ API summary (what other code relies on):
     (the requests that finished); ``update_draft_token_ids({req_id: draft})``;
     ``finish_requests(ids, status)`` (abort);
     ``has_unfinished_requests()``, ``has_requests()`` (also finished ones not yet
-    reported); ``running``, ``waiting``, ``requests``;
+    reported); ``take_events()`` (the KV cache events published after each step);
+    ``running``, ``waiting``, ``requests``;
     ``step_records`` (one ``StepRecord`` per step: scheduled tokens, admitted,
     resumed, preempted, finished, prefix-hit tokens, free blocks) and ``stats``
     (``SchedulerStats``: totals over the run).
