@@ -55,7 +55,8 @@ them from the trace):
   nothing to report returns no ``KVConnectorOutput``, as vLLM's runner does.
   The events then also carry the connector's calls, the KV cache manager's
   calls, the published KV event batches and every request's status, and a run
-  aborts its unfinished requests after ``STALL_STEPS`` empty schedules.
+  aborts its unfinished requests after ``STALL_STEPS`` idle iterations (nothing
+  scheduled, no transfer in flight or ended).
   ``kvref/verify/sim_connector.py`` is the same connector on kvref's side.
 
 Set ``PYTHONHASHSEED`` (the tool re-executes itself with ``0`` when unset):
@@ -208,10 +209,10 @@ PROFILES.update({
                                                   policy="recompute")),
 })
 
-# After this many schedule() calls in a row with nothing scheduled, the run
-# aborts its unfinished requests, one by one in id order (a user cancelling): a
-# connector can stall vLLM's scheduler for good (../shared/VLLM_DEFECTS.md 3-5,
-# each reproduced by kvref too), and every simulated transfer ends within 8 steps.
+# After this many engine iterations in a row in which nothing was scheduled, no
+# transfer ended and none was in flight, the run aborts its unfinished requests,
+# one by one in id order (a user cancelling): a connector can stall vLLM's
+# scheduler for good (../shared/VLLM_DEFECTS.md 3-5, reproduced by kvref too).
 STALL_STEPS = 12
 
 
@@ -351,6 +352,7 @@ class SimConnectorPlan:
         self.lost: set[str] = set()               # a load failed: not offered again
         self.loads: dict[str, list] = {}          # started this step, for the worker
         self.sends: dict[str, int] = {}           # held blocks to send, for the worker
+        self.pending: set[tuple[str, str]] = set()   # asynchronous loads and sends not ended
         self.num_landed = 0
 
     def plan(self, req_id: str) -> dict:
@@ -384,6 +386,8 @@ class SimConnectorPlan:
         if failed:
             self.lost.add(req_id)
         self.loads[req_id] = [loaded, plan["async"], plan["delay"], failed]
+        if plan["async"]:
+            self.pending.add(("recv", req_id))
 
     def meta(self) -> dict:
         meta = {"loads": self.loads, "sends": self.sends}
@@ -393,6 +397,8 @@ class SimConnectorPlan:
 
     def output(self, sending, recving, invalid) -> None:
         self.num_landed += len(recving or ())
+        self.pending -= {("send", r) for r in sending or ()}
+        self.pending -= {("recv", r) for r in recving or ()}
         self.calls.append(["update_connector_output", sorted(sending) if sending else None,
                            sorted(recving) if recving else None, sorted(invalid)])
 
@@ -402,6 +408,7 @@ class SimConnectorPlan:
                                                        "FINISHED_LENGTH_CAPPED"))
         if held:
             self.sends[req_id] = hold
+            self.pending.add(("send", req_id))
         answer = (held, {"sent_from": req_id} if held else None)
         self.calls.append(["request_finished", req_id, status, list(block_ids), list(answer)])
         return answer
@@ -612,6 +619,7 @@ class VllmRun:
             self._observe_connector_run()
         self.events: list[dict] = []
         self.num_schedules = 0
+        self.num_idle = 0                          # iterations in a row with nothing going on
 
     def add_request(self, req_id: str, prompt: list[int], params: dict) -> None:
         from vllm.sampling_params import SamplingParams
@@ -674,13 +682,19 @@ class VllmRun:
                                    for rid, r in sorted(self.scheduler.requests.items())}
         return event
 
-    def abort_if_stalled(self) -> None:
-        """STALL_STEPS schedules in a row with nothing scheduled: abort what is left."""
-        since = [e for e in self.events if e["op"] == "abort"][-1:]
-        recent = self.events[self.events.index(since[0]) + 1:] if since else self.events
-        schedules = [e for e in recent if e["op"] == "schedule"][-STALL_STEPS:]
-        if len(schedules) < STALL_STEPS or any(e["tokens"] for e in schedules):
+    def abort_if_stalled(self, first_event: int) -> None:
+        """Abort what is left after STALL_STEPS engine iterations in a row in which
+        nothing was scheduled, no transfer ended and none was in flight.
+        ``first_event``: where this iteration's events start."""
+        sim = self.scheduler.connector.sim
+        busy = (sim.pending
+                or any(e["op"] == "schedule" and e["tokens"] for e in self.events[first_event:])
+                or any(c[0] == "update_connector_output" and (c[1] or c[2] or c[3])
+                       for e in self.events[first_event:] for c in e["conn"]))
+        self.num_idle = 0 if busy else self.num_idle + 1
+        if self.num_idle < STALL_STEPS:
             return
+        self.num_idle = 0
         from vllm.v1.request import RequestStatus
         sched = self.scheduler
         ids = sorted(r.request_id for r in [*sched.running, *sched.waiting,
@@ -760,12 +774,13 @@ class VllmRun:
             while pending and pending[0][0] <= iteration:
                 _, rid, prompt, params = pending.popleft()
                 self.add_request(rid, prompt, params)
+            first_event = len(self.events)
             if self.config["async_scheduling"]:
                 self._step_with_batch_queue(batch_queue)
             else:
                 self._step()
             if self.config.get("connector"):
-                self.abort_if_stalled()
+                self.abort_if_stalled(first_event)
             iteration += 1
             if iteration > max_iterations:
                 raise RuntimeError("the run did not finish")

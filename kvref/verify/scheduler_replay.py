@@ -21,7 +21,7 @@ simulated connector (``sim_connector.py``), and every event also carries
 answers) and ``kv`` (the KV cache manager's calls and answers); an update
 also carries the published KV events (block hashes compared by the order
 they first appear) and every request's status; ``abort`` events are the
-run cancelling what is left after ``STALL_STEPS`` empty schedules.
+run cancelling what is left after ``STALL_STEPS`` idle engine iterations.
 
 The replay builds kvref's ``KVCacheManager`` and ``Scheduler`` (or
 ``AsyncScheduler``) from the configuration, runs them with kvref's
@@ -48,8 +48,9 @@ from kvref.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheG
                                       SlidingWindowSpec)
 
 TRACE_FORMAT = "kvref-vllm-scheduler-trace/1"
-# A connector run aborts its unfinished requests after this many schedule() calls
-# in a row with nothing scheduled (the recorder's rule: tools/record_vllm_scheduler.py).
+# A connector run aborts its unfinished requests after this many engine iterations in
+# a row with nothing scheduled, ended or in flight (the recorder's rule:
+# tools/record_vllm_scheduler.py).
 STALL_STEPS = 12
 
 __all__ = ["ReplayResult", "TRACE_FORMAT", "build_engine", "load_trace", "replay_file",
@@ -171,6 +172,7 @@ class _EventLog:
         scheduler.update_from_output = lambda so, ro: self._update(update, so, ro)
         self.kv_calls: list = []
         self.conn_calls: list = []
+        self.num_idle = 0                         # iterations in a row with nothing going on
         if scheduler.connector is not None:
             self.conn_calls = scheduler.connector.sim.calls
             self._observe_manager()
@@ -221,15 +223,21 @@ class _EventLog:
                                    for rid, r in sorted(self.scheduler.requests.items())}
         return event
 
-    def abort_if_stalled(self) -> None:
-        """The recorder's rule: STALL_STEPS schedules in a row with nothing
-        scheduled abort the unfinished requests, one by one in id order."""
+    def abort_if_stalled(self, first_event: int) -> None:
+        """The recorder's rule: after STALL_STEPS engine iterations in a row in which
+        nothing was scheduled, no transfer ended and none was in flight, abort the
+        unfinished requests, one by one in id order. ``first_event``: where this
+        iteration's events start."""
         from kvref import RequestStatus
-        since = [e for e in self.events if e["op"] == "abort"][-1:]
-        recent = self.events[self.events.index(since[0]) + 1:] if since else self.events
-        schedules = [e for e in recent if e["op"] == "schedule"][-STALL_STEPS:]
-        if len(schedules) < STALL_STEPS or any(e["tokens"] for e in schedules):
+        sim = self.scheduler.connector.sim
+        busy = (sim.pending
+                or any(e["op"] == "schedule" and e["tokens"] for e in self.events[first_event:])
+                or any(c[0] == "update_connector_output" and (c[1] or c[2] or c[3])
+                       for e in self.events[first_event:] for c in e["conn"]))
+        self.num_idle = 0 if busy else self.num_idle + 1
+        if self.num_idle < STALL_STEPS:
             return
+        self.num_idle = 0
         sched = self.scheduler
         ids = sorted(r.request_id for r in [*sched.running, *sched.waiting,
                                             *sched.skipped_waiting])
@@ -361,9 +369,10 @@ def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> Replay
                     max_tokens=params["max_tokens"], ignore_eos=params.get("ignore_eos", True),
                     min_tokens=params.get("min_tokens", 0),
                     stop_token_ids=tuple(params.get("stop_token_ids") or ())))
+            first_event = len(log.events)
             loop.step()
             if scheduler.connector is not None:
-                log.abort_if_stalled()
+                log.abort_if_stalled(first_event)
             scheduler.kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())
             iteration += 1
             if iteration > max_iterations:

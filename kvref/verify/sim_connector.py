@@ -55,6 +55,7 @@ class SimConnectorPlan:
         self.lost: set[str] = set()               # a load failed: nothing offered again
         self.loads: dict[str, list] = {}          # started this step, for the worker
         self.sends: dict[str, int] = {}           # held blocks to send, for the worker
+        self.pending: set[tuple[str, str]] = set()   # asynchronous loads and sends not ended
         self.num_landed = 0
 
     def plan(self, req_id: str) -> dict:
@@ -88,6 +89,8 @@ class SimConnectorPlan:
         if failed:
             self.lost.add(req_id)
         self.loads[req_id] = [loaded, plan["async"], plan["delay"], failed]
+        if plan["async"]:
+            self.pending.add(("recv", req_id))
 
     def meta(self) -> dict:
         meta = {"loads": self.loads, "sends": self.sends}
@@ -97,6 +100,8 @@ class SimConnectorPlan:
 
     def output(self, sending, recving, invalid) -> None:
         self.num_landed += len(recving or ())
+        self.pending -= {("send", r) for r in sending or ()}
+        self.pending -= {("recv", r) for r in recving or ()}
         self.calls.append(["update_connector_output", sorted(sending) if sending else None,
                            sorted(recving) if recving else None, sorted(invalid)])
 
@@ -107,6 +112,7 @@ class SimConnectorPlan:
                                                        "FINISHED_LENGTH_CAPPED"))
         if held:
             self.sends[req_id] = hold
+            self.pending.add(("send", req_id))
         answer = (held, {"sent_from": req_id} if held else None)
         self.calls.append(["request_finished", req_id, status, list(block_ids), list(answer)])
         return answer

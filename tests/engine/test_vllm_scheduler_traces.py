@@ -263,3 +263,23 @@ def test_the_replay_sees_a_connector_divergence(monkeypatch):
     monkeypatch.setattr(scheduler_replay, "build_engine", no_reservation)
     result = replay_run(reserved)
     assert result.divergence is not None and result.divergent_steps > 0
+
+
+def test_a_recorded_stall_is_the_head_of_line_block_and_kvref_stalls_alike():
+    """conn_async_sched_tight run 25: r0 answered "ask again" twice, so it waits in
+    skipped_waiting ahead of everything; r1's and r2's asynchronous loads were
+    admitted and landed, but each step the waiting loop looks at r0 first, r0's own
+    load does not fit beside them, admission stops, and r1 and r2 are never
+    promoted (vLLM 0.25.1 scheduler.py:917-925). Nothing runs until the run aborts
+    (its rule: 12 idle iterations); kvref's replay of the file is identical."""
+    run = load_trace(TRACE_DIR / "conn_async_sched_tight.json.gz")["runs"][25]
+    abort = next(e for e in run["events"] if e["op"] == "abort")
+    before = run["events"][:run["events"].index(abort)]
+    landed = {r for e in before for c in e["conn"]
+              if c[0] == "update_connector_output" and c[2] for r in c[2]}
+    assert {"r1", "r2"} <= landed
+    last_update = [e for e in before if e["op"] == "update"][-1]
+    assert last_update["status"]["r1"] == last_update["status"]["r2"] == \
+        "WAITING_FOR_REMOTE_KVS"
+    refusals = [c for e in before[-10:] for c in e["kv"] if c[0] == "alloc"]
+    assert refusals and all(c[1] == "r0" and c[8] is None for c in refusals)
