@@ -191,9 +191,11 @@ PROFILES.update({
     # Tight pools: reserved_blocks decides admissions of async loads; requests with
     # external tokens are preempted and asked again.
     "conn_tight": dict(_CONN, runs=32, blocks=(16, 24), max_model_len=48, budget=(6, 16),
-                       requests=(6, 10), outputs=(4, 16), connector=dict(_LOADS, async_=0.6, delay=(1, 8), policy="recompute")),
+                       requests=(6, 10), outputs=(4, 16),
+                       connector=dict(_LOADS, async_=0.6, delay=(1, 8), policy="recompute")),
     "conn_tight_fail": dict(_CONN, runs=20, blocks=(16, 24), max_model_len=48,
-                            budget=(6, 16), requests=(6, 10), outputs=(4, 16), connector=dict(_LOADS, async_=0.6, policy="fail")),
+                            budget=(6, 16), requests=(6, 10), outputs=(4, 16),
+                            connector=dict(_LOADS, async_=0.6, policy="fail")),
     # Async scheduling with a consumer: deferred frees (stop tokens end requests
     # while their next step is in flight), placeholders, both policies.
     "conn_async_sched": dict(_CONN, runs=28, blocks=(40, 64), budget=(8, 32),
@@ -655,7 +657,8 @@ class VllmRun:
                 return answer
             setattr(manager, name, call)
 
-        ids = lambda blocks: None if blocks is None else [list(g) for g in blocks.get_block_ids()]  # noqa: E731
+        def ids(blocks):
+            return None if blocks is None else [list(g) for g in blocks.get_block_ids()]
         wrap("get_computed_blocks", lambda a, r: ["hit", a["request"].request_id, r[1]])
         wrap("allocate_slots", lambda a, r: [
             "alloc", a["request"].request_id, a["num_new_tokens"], a["num_new_computed_tokens"],
