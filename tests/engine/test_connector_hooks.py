@@ -17,6 +17,7 @@ from kvref.distributed.kv_transfer.kv_connector.factory import (KVConnectorFacto
                                                                 KVTransferConfig)
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                 KVConnectorMetadata,
+                                                                KVConnectorOutput,
                                                                 KVConnectorStats)
 from kvref.engine.core import EngineCore
 from kvref.engine.model_free_runner import ModelFreeRunner
@@ -53,6 +54,9 @@ class HookConnector(KVConnectorBase_V1):
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None: ...
+
+    def update_connector_output(self, connector_output) -> None:
+        self.calls.append(("update_connector_output", connector_output))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return KVConnectorMetadata()
@@ -149,3 +153,21 @@ def test_a_synchronous_hit_of_the_whole_prompt_fails_at_admission():
     scheduler.new_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(AssertionError, match="a"):
         scheduler.schedule()
+
+
+def test_no_connector_output_means_no_update_connector_output():
+    """vLLM's runner returns no KVConnectorOutput from a step without a forward that
+    has nothing to report (vllm/v1/outputs.py:284-294), and the scheduler then skips
+    update_connector_output (scheduler.py:1781-1782); with an output it is called."""
+    from kvref.engine.outputs import ModelRunnerOutput
+
+    scheduler, _ = make_engine()
+    output = scheduler.schedule()                   # nothing to schedule
+    scheduler.update_from_output(output, ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                                                           sampled_token_ids=[]))
+    assert "update_connector_output" not in names(scheduler.connector)
+    output = scheduler.schedule()
+    reported = KVConnectorOutput(finished_recving=None)
+    scheduler.update_from_output(output, ModelRunnerOutput(
+        req_ids=[], req_id_to_index={}, sampled_token_ids=[], kv_connector_output=reported))
+    assert scheduler.connector.calls[-3] == ("update_connector_output", reported)
