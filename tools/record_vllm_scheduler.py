@@ -45,6 +45,20 @@ them from the trace):
   Requests arrive before a numbered engine iteration (one call of the step
   function); an idle engine jumps to the next arrival.
 
+* A KV connector (the ``conn_*`` profiles): vLLM's scheduler builds
+  ``SimConnector`` (below, on vLLM's ``KVConnectorBase_V1``; kv_role
+  ``kv_both``, one full-attention group, the hybrid manager off as for any
+  connector without ``SupportsHMA``), which answers from a per-request plan
+  drawn with the run (``draw_plan``) and logs every call; the worker's
+  ``SimTransfers`` ends each load or send a planned number of worker steps
+  later and reports failed blocks, and a step without a forward that has
+  nothing to report returns no ``KVConnectorOutput``, as vLLM's runner does.
+  The events then also carry the connector's calls, the KV cache manager's
+  calls, the published KV event batches and every request's status, and a run
+  aborts its unfinished requests after ``STALL_STEPS`` idle iterations (nothing
+  scheduled, no transfer in flight or ended).
+  ``kvref/verify/sim_connector.py`` is the same connector on kvref's side.
+
 Set ``PYTHONHASHSEED`` (the tool re-executes itself with ``0`` when unset):
 vLLM seeds its ``NONE_HASH`` from it and iterates sets of request ids.
 """
@@ -156,6 +170,79 @@ PROFILES: dict[str, dict] = {
                                  sliding_window=(8, 16), async_scheduling=True),
 }
 
+# KV connector profiles: vLLM's scheduler drives the simulated connector below
+# (SimConnectorPlan), one full-attention group, kv_role "kv_both". Per request
+# the run draws what the "remote" holds and how its load goes (see draw_plan).
+_CONN = dict(block_size=4, max_model_len=64, max_num_seqs=(3, 6), requests=(5, 9),
+             prompt=(4, 40), outputs=(1, 12), shared_prefix=0.4, vocab=64)
+_LOADS = dict(ext=0.75, async_=0.5, delay=(1, 5), none=0.2, fail=0.25, hold=0.35,
+              hold_steps=(1, 4))
+PROFILES.update({
+    # Synchronous loads (whole blocks, never the last token), some failing, producer holds.
+    "conn_sync": dict(_CONN, runs=24, blocks=(40, 64), budget=(8, 32),
+                      connector=dict(_LOADS, async_=0.0, policy="recompute")),
+    # Asynchronous loads that land 1-5 steps later, some failing (some in their first
+    # block: nothing lands), "ask again" answers, holds; policy "recompute".
+    "conn_async": dict(_CONN, runs=24, blocks=(40, 64), budget=(8, 32),
+                       connector=dict(_LOADS, async_=0.7, policy="recompute")),
+    # The same loads under vLLM's default policy "fail".
+    "conn_fail": dict(_CONN, runs=28, blocks=(40, 64), budget=(8, 32),
+                      connector=dict(_LOADS, policy="fail")),
+    # Tight pools: reserved_blocks decides admissions of async loads; requests with
+    # external tokens are preempted and asked again.
+    "conn_tight": dict(_CONN, runs=32, blocks=(16, 24), max_model_len=48, budget=(6, 16),
+                       requests=(6, 10), outputs=(4, 16),
+                       connector=dict(_LOADS, async_=0.6, delay=(1, 8), policy="recompute")),
+    "conn_tight_fail": dict(_CONN, runs=20, blocks=(16, 24), max_model_len=48,
+                            budget=(6, 16), requests=(6, 10), outputs=(4, 16),
+                            connector=dict(_LOADS, async_=0.6, policy="fail")),
+    # Async scheduling with a consumer: deferred frees (stop tokens end requests
+    # while their next step is in flight), placeholders, both policies.
+    "conn_async_sched": dict(_CONN, runs=28, blocks=(40, 64), budget=(8, 32),
+                             async_scheduling=True, stops=True, vocab=12, outputs=(4, 16),
+                             connector=dict(_LOADS, policy="recompute")),
+    "conn_async_sched_fail": dict(_CONN, runs=24, blocks=(40, 64), budget=(8, 32),
+                                  async_scheduling=True, stops=True, vocab=12,
+                                  outputs=(4, 16), connector=dict(_LOADS, policy="fail")),
+    "conn_async_sched_tight": dict(_CONN, runs=32, blocks=(16, 24), max_model_len=48,
+                                   budget=(6, 16), requests=(6, 10), outputs=(4, 16),
+                                   async_scheduling=True,
+                                   connector=dict(_LOADS, async_=0.6, delay=(1, 8),
+                                                  policy="recompute")),
+})
+
+# After this many engine iterations in a row in which nothing was scheduled, no
+# transfer ended and none was in flight, the run aborts its unfinished requests,
+# one by one in id order (a user cancelling): a connector can stall vLLM's
+# scheduler for good (../shared/VLLM_DEFECTS.md 3-5, reproduced by kvref too).
+STALL_STEPS = 12
+
+
+def draw_plan(rng: random.Random, knobs: dict, prompt_len: int, block_size: int) -> dict:
+    """How the simulated connector treats one request (both sides read it)."""
+    plan = {"ext": 0, "async": False, "delay": 1, "none": 0, "fail": [], "hold": 0}
+    if rng.random() < knobs["none"]:
+        plan["none"] = rng.randint(1, 2)          # "ask again" this many times first
+    if rng.random() < knobs["ext"]:
+        plan["async"] = rng.random() < knobs["async_"]
+        if plan["async"] and rng.random() < 0.3:
+            plan["ext"] = prompt_len              # the whole prompt (a P/D decode)
+        else:
+            plan["ext"] = block_size * rng.randint(1, max(1, prompt_len // block_size))
+        plan["delay"] = rng.randint(*knobs["delay"])
+        # (Under async scheduling only asynchronous loads fail: after a failed
+        # synchronous load the scheduler drops a sampled token the model-free worker
+        # (like kvref's runner) has already moved past, and vLLM leaks a placeholder,
+        # ../shared/VLLM_DEFECTS.md 5.)
+        if rng.random() < knobs["fail"] and (plan["async"] or not knobs.get("async_sched")):
+            # Indices into the loaded blocks; 0 fails the load from its first block.
+            num = -(-plan["ext"] // block_size)
+            plan["fail"] = sorted(rng.sample(range(num), rng.randint(1, min(2, num))))
+    if rng.random() < knobs["hold"]:
+        plan["hold"] = rng.randint(*knobs["hold_steps"])
+    return plan
+
+
 # The issue's smallest case, recorded exactly (not drawn).
 FIXED_RUNS = {
     "gate_minimal": dict(
@@ -238,7 +325,186 @@ def draw_run(profile: dict, seed: int) -> dict:
             if rng.random() < 0.3:
                 params["max_tokens"] = max_model_len   # capped by max_model_len instead
         arrivals.append([iteration, f"r{i}", prompt, params])
+    if "connector" in profile:
+        knobs = dict(profile["connector"], async_sched=config["async_scheduling"])
+        config["connector"] = {
+            "policy": knobs["policy"], "kv_role": "kv_both",
+            "plans": {rid: draw_plan(rng, knobs, len(prompt), block_size)
+                      for _, rid, prompt, _ in arrivals}}
+        config["enable_kv_cache_events"] = True
     return {"config": config, "arrivals": arrivals}
+
+
+# ---------------------------------------------------------------------------
+# The simulated connector. Its scheduler half answers from the run's plans; its
+# worker half (SimTransfers) ends each transfer a set number of worker steps
+# after the step that started it. kvref/verify/sim_connector.py is the same
+# behaviour on kvref's side (written twice on purpose: the recorder imports no kvref).
+
+
+class SimConnectorPlan:
+    """The scheduler half's decisions, with every call logged to ``self.calls``."""
+
+    def __init__(self, plans: dict, block_size: int, calls: list) -> None:
+        self.plans = plans
+        self.block_size = block_size
+        self.calls = calls
+        self.asks: dict[str, int] = {}            # "ask again" answers given so far
+        self.local: dict[str, int] = {}           # the local hit of the last ask
+        self.lost: set[str] = set()               # a load failed: not offered again
+        self.loads: dict[str, list] = {}          # started this step, for the worker
+        self.sends: dict[str, int] = {}           # held blocks to send, for the worker
+        self.pending: set[tuple[str, str]] = set()   # asynchronous loads and sends not ended
+        self.num_landed = 0
+
+    def plan(self, req_id: str) -> dict:
+        return self.plans.get(req_id) or {"ext": 0, "async": False, "delay": 1, "none": 0,
+                                          "fail": [], "hold": 0}
+
+    def matched(self, req_id: str, num_tokens: int, num_computed: int):
+        plan = self.plan(req_id)
+        if self.asks.get(req_id, 0) < plan["none"]:
+            self.asks[req_id] = self.asks.get(req_id, 0) + 1
+            answer = (None, False)
+        else:
+            ext = 0 if req_id in self.lost else plan["ext"]
+            if not plan["async"]:
+                ext = min(ext, num_tokens - 1)    # a synchronous hit leaves one to compute
+            n = max(0, ext - num_computed)
+            answer = (n, plan["async"] and n > 0)
+        self.local[req_id] = num_computed
+        self.calls.append(["get_num_new_matched_tokens", req_id, num_computed, list(answer)])
+        return answer
+
+    def after_alloc(self, req_id: str, block_ids: list[list[int]], num_external: int) -> None:
+        self.calls.append(["update_state_after_alloc", req_id, block_ids, num_external])
+        if num_external == 0:
+            return
+        plan = self.plan(req_id)
+        bs = self.block_size
+        first = self.local[req_id] // bs
+        loaded = block_ids[0][first:-(-(self.local[req_id] + num_external) // bs)]
+        failed = [loaded[i] for i in plan["fail"] if i < len(loaded)]
+        if failed:
+            self.lost.add(req_id)
+        self.loads[req_id] = [loaded, plan["async"], plan["delay"], failed]
+        if plan["async"]:
+            self.pending.add(("recv", req_id))
+
+    def meta(self) -> dict:
+        meta = {"loads": self.loads, "sends": self.sends}
+        self.loads, self.sends = {}, {}
+        self.calls.append(["build_connector_meta", meta])
+        return meta
+
+    def output(self, sending, recving, invalid) -> None:
+        self.num_landed += len(recving or ())
+        self.pending -= {("send", r) for r in sending or ()}
+        self.pending -= {("recv", r) for r in recving or ()}
+        self.calls.append(["update_connector_output", sorted(sending) if sending else None,
+                           sorted(recving) if recving else None, sorted(invalid)])
+
+    def finished(self, req_id: str, status: str, block_ids: list[int]):
+        hold = self.plan(req_id)["hold"]
+        held = bool(hold and block_ids and status in ("FINISHED_STOPPED",
+                                                       "FINISHED_LENGTH_CAPPED"))
+        if held:
+            self.sends[req_id] = hold
+            self.pending.add(("send", req_id))
+        answer = (held, {"sent_from": req_id} if held else None)
+        self.calls.append(["request_finished", req_id, status, list(block_ids), list(answer)])
+        return answer
+
+    def events(self) -> int:
+        """How many events to hand out: one per load landed since the last call."""
+        num, self.num_landed = self.num_landed, 0
+        self.calls.append(["take_events", num])
+        return num
+
+
+class SimTransfers:
+    """The worker half: which transfers end in this worker step."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.due: list[tuple[int, str, str, list]] = []   # (step, kind, request, failed)
+
+    def step(self, meta: dict | None):
+        invalid: set[int] = set()
+        for req_id, (_, is_async, delay, failed) in (meta or {}).get("loads", {}).items():
+            if is_async:
+                self.due.append((self.now + delay, "recv", req_id, failed))
+            else:
+                invalid.update(failed)            # a synchronous load fails in its step
+        for req_id, hold in (meta or {}).get("sends", {}).items():
+            self.due.append((self.now + hold, "send", req_id, []))
+        sending, recving = set(), set()
+        for item in [d for d in self.due if d[0] <= self.now]:
+            self.due.remove(item)
+            (recving if item[1] == "recv" else sending).add(item[2])
+            invalid.update(item[3])               # reported with the finished load
+        self.now += 1
+        return sending or None, recving or None, invalid
+
+
+def make_vllm_sim_connector():
+    """SimConnector on vLLM's KVConnectorBase_V1 (scheduler-side API)."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                   KVConnectorMetadata)
+
+    class SimMetadata(KVConnectorMetadata):
+        def __init__(self, meta: dict) -> None:
+            self.meta = meta
+
+    class SimConnector(KVConnectorBase_V1):
+        def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+            self.sim = SimConnectorPlan(extra["plans"], extra["block_size"], extra["calls"])
+
+        # worker side: SimTransfers in the recorder's Worker plays it
+        def start_load_kv(self, forward_context, **kwargs) -> None: ...
+        def wait_for_layer_load(self, layer_name: str) -> None: ...
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None: ...
+        def wait_for_save(self) -> None: ...
+
+        def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+            self.sim.calls.append(["bind_gpu_block_pool", gpu_block_pool.num_gpu_blocks])
+
+        def on_new_request(self, request) -> None:
+            self.sim.calls.append(["on_new_request", request.request_id])
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return self.sim.matched(request.request_id, request.num_tokens, num_computed_tokens)
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
+            self.sim.after_alloc(request.request_id, [list(b) for b in blocks.get_block_ids()],
+                                 num_external_tokens)
+
+        def build_connector_meta(self, scheduler_output):
+            return SimMetadata(self.sim.meta())
+
+        def update_connector_output(self, connector_output) -> None:
+            self.sim.output(connector_output.finished_sending,
+                            connector_output.finished_recving,
+                            connector_output.invalid_block_ids)
+
+        def request_finished(self, request, block_ids):
+            return self.sim.finished(request.request_id, request.status.name, block_ids)
+
+        def get_kv_connector_stats(self):
+            self.sim.calls.append(["get_kv_connector_stats"])
+            return None
+
+        def take_events(self):
+            return [BlockStored(block_hashes=[], parent_block_hash=None, token_ids=[],
+                                block_size=self.sim.block_size, lora_id=None,
+                                medium="SIM", lora_name=None)
+                    for _ in range(self.sim.events())]
+
+    globals()["SimConnector"] = SimConnector
+    return SimConnector
 
 
 # ---------------------------------------------------------------------------
@@ -310,6 +576,24 @@ class VllmRun:
         # The CPU platform turns these off while validating; the scheduler does not care.
         vllm_config.scheduler_config.async_scheduling = config["async_scheduling"]
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        self.conn_calls: list = []                 # the simulated connector's calls, in order
+        self.kv_calls: list = []                   # the KV cache manager's, in order
+        self.published: list = []                  # KV event batches the scheduler published
+        connector = config.get("connector")
+        if connector:
+            from vllm.config import KVTransferConfig
+            make_vllm_sim_connector()
+            vllm_config.kv_transfer_config = KVTransferConfig(
+                kv_connector="SimConnector", kv_connector_module_path="__main__",
+                kv_role=connector["kv_role"], kv_load_failure_policy=connector["policy"],
+                kv_connector_extra_config={"plans": connector["plans"], "block_size": bs,
+                                           "calls": self.conn_calls})
+            # A connector without SupportsHMA runs with the hybrid manager off.
+            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+        if config.get("enable_kv_cache_events"):
+            from vllm.config import KVEventsConfig
+            vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True,
+                                                          publisher="null")
         groups = []
         for i, g in enumerate(config["groups"]):
             attn = dict(block_size=g.get("block_size", bs), num_kv_heads=1, head_size=64,
@@ -333,8 +617,11 @@ class VllmRun:
         init_none_hash(sha256)
         self.block_hasher = get_request_block_hasher(hash_bs, sha256)
         self.worker = Worker(config)
+        if connector:
+            self._observe_connector_run()
         self.events: list[dict] = []
         self.num_schedules = 0
+        self.num_idle = 0                          # iterations in a row with nothing going on
 
     def add_request(self, req_id: str, prompt: list[int], params: dict) -> None:
         from vllm.sampling_params import SamplingParams
@@ -349,6 +636,78 @@ class VllmRun:
         request = Request(req_id, list(prompt), sp, None, arrival_time=0.0,
                           block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
+
+    # -- a connector run: what else is observed ----------------------------------
+
+    def _observe_connector_run(self) -> None:
+        """Log the KV cache manager's calls and the published KV events too."""
+        import inspect
+        manager = self.scheduler.kv_cache_manager
+        log = self.kv_calls
+
+        def wrap(name, summarize):
+            original = getattr(manager, name)
+            signature = inspect.signature(original)
+
+            def call(*args, **kwargs):
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                answer = original(*args, **kwargs)
+                log.append(summarize(bound.arguments, answer))
+                return answer
+            setattr(manager, name, call)
+
+        def ids(blocks):
+            return None if blocks is None else [list(g) for g in blocks.get_block_ids()]
+        wrap("get_computed_blocks", lambda a, r: ["hit", a["request"].request_id, r[1]])
+        wrap("allocate_slots", lambda a, r: [
+            "alloc", a["request"].request_id, a["num_new_tokens"], a["num_new_computed_tokens"],
+            a["num_external_computed_tokens"], a["delay_cache_blocks"], a["reserved_blocks"],
+            a["full_sequence_must_fit"], ids(r)])
+        wrap("cache_blocks", lambda a, r: ["cache", a["request"].request_id,
+                                           a["num_computed_tokens"]])
+        wrap("evict_blocks", lambda a, r: ["evict", sorted(a["block_ids"])])
+        wrap("pop_blocks_for_free", lambda a, r: ["pop", a["request"].request_id,
+                                                  [b.block_id for b in r]])
+        wrap("free", lambda a, r: ["free", a["request"].request_id])
+        publisher = self.scheduler.kv_event_publisher
+        publisher.publish = lambda batch: self.published.append(
+            [summarize_kv_event(e) for e in batch.events])
+
+    def _attach(self, event: dict) -> dict:
+        """A connector run's event carries the calls made since the previous one."""
+        if self.config.get("connector"):
+            event["conn"], self.conn_calls[:] = list(self.conn_calls), []
+            event["kv"], self.kv_calls[:] = list(self.kv_calls), []
+            if event["op"] == "update":
+                event["published"], self.published[:] = list(self.published), []
+                event["status"] = {rid: r.status.name
+                                   for rid, r in sorted(self.scheduler.requests.items())}
+        return event
+
+    def abort_if_stalled(self, first_event: int) -> None:
+        """Abort what is left after STALL_STEPS engine iterations in a row in which
+        nothing was scheduled, no transfer ended and none was in flight.
+        ``first_event``: where this iteration's events start."""
+        sim = self.scheduler.connector.sim
+        busy = (sim.pending
+                or any(e["op"] == "schedule" and e["tokens"] for e in self.events[first_event:])
+                or any(c[0] == "update_connector_output" and (c[1] or c[2] or c[3])
+                       for e in self.events[first_event:] for c in e["conn"]))
+        self.num_idle = 0 if busy else self.num_idle + 1
+        if self.num_idle < STALL_STEPS:
+            return
+        self.num_idle = 0
+        from vllm.v1.request import RequestStatus
+        sched = self.scheduler
+        ids = sorted(r.request_id for r in [*sched.running, *sched.waiting,
+                                            *getattr(sched, "skipped_waiting", [])])
+        if not ids:
+            return
+        for rid in ids:
+            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        self.events.append(self._attach({"op": "abort", "step": self.num_schedules,
+                                         "ids": ids}))
 
     # -- events --------------------------------------------------------------
 
@@ -381,7 +740,7 @@ class VllmRun:
         if self.config["async_scheduling"]:
             event["placeholders"] = {rid: sched.requests[rid].num_output_placeholders
                                      for rid in out.num_scheduled_tokens}
-        self.events.append(event)
+        self.events.append(self._attach(event))
         self.num_schedules += 1
         return out
 
@@ -397,14 +756,14 @@ class VllmRun:
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     finished.append([o.request_id, str(o.finish_reason)])
-        self.events.append({
+        self.events.append(self._attach({
             "op": "update", "step": step,
             "sampled": sampled,
             "finished": finished,
             "free": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
             "running": [r.request_id for r in sched.running],
             "waiting": [r.request_id for r in sched.waiting],
-        })
+        }))
 
     # -- the engine loops (vllm/v1/engine/core.py) ---------------------------
 
@@ -418,10 +777,13 @@ class VllmRun:
             while pending and pending[0][0] <= iteration:
                 _, rid, prompt, params = pending.popleft()
                 self.add_request(rid, prompt, params)
+            first_event = len(self.events)
             if self.config["async_scheduling"]:
                 self._step_with_batch_queue(batch_queue)
             else:
                 self._step()
+            if self.config.get("connector"):
+                self.abort_if_stalled(first_event)
             iteration += 1
             if iteration > max_iterations:
                 raise RuntimeError("the run did not finish")
@@ -457,6 +819,17 @@ class VllmRun:
         self._update(out, runner_output, step)
 
 
+def summarize_kv_event(event) -> list:
+    """A published KV cache event, as both sides can write it."""
+    kind = type(event).__name__
+    if kind == "BlockStored":
+        return [kind, list(event.block_hashes), event.parent_block_hash, len(event.token_ids),
+                event.block_size, event.medium, event.group_idx]
+    if kind == "BlockRemoved":
+        return [kind, list(event.block_hashes), event.medium, event.group_idx]
+    return [kind]
+
+
 def crc_token(tokens: list[int], vocab: int) -> int:
     data = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
     return zlib.crc32(data) % vocab
@@ -471,6 +844,8 @@ class Worker:
         self.async_scheduling = config["async_scheduling"]
         self.tokens: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
+        self.num_prompt: dict[str, int] = {}
+        self.transfers = SimTransfers() if config.get("connector") else None
         self.drafts: dict[str, list[int]] = {}       # proposed after the latest sample
         self.step_drafts: tuple[list[str], list[list[int]]] = ([], [])
         spec = config["speculative"]
@@ -499,6 +874,7 @@ class Worker:
             self.drafts.pop(rid, None)
         for new in out.scheduled_new_reqs:
             self.tokens[new.req_id] = list(new.prompt_token_ids)
+            self.num_prompt[new.req_id] = len(new.prompt_token_ids)
             self.num_computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -508,6 +884,11 @@ class Worker:
                     raise RuntimeError(f"{rid}: the scheduler's tokens disagree with the worker's")
                 if len(known) > len(self.tokens[rid]):
                     self.tokens[rid] = known
+            if not self.async_scheduling:
+                # A token sampled over a failed synchronous KV load was dropped by the
+                # scheduler: vLLM's runner trims its own copy to the scheduler's count
+                # (gpu_model_runner.py:1383-1393).
+                del self.tokens[rid][self.num_prompt[rid] + cached.num_output_tokens[i]:]
             sched_nc = cached.num_computed_tokens[i]
             if rid in cached.resumed_req_ids or not self.async_scheduling:
                 self.num_computed[rid] = sched_nc
@@ -547,9 +928,19 @@ class Worker:
                     self.drafts[rid] = draft
                 drafts.append(draft)
         self.step_drafts = (req_ids, drafts)
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=[list(s) for s in sampled])
+        output = ModelRunnerOutput(req_ids=req_ids,
+                                   req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=[list(s) for s in sampled])
+        if self.transfers is not None:
+            from vllm.v1.outputs import KVConnectorOutput
+            sending, recving, invalid = self.transfers.step(out.kv_connector_metadata.meta)
+            kv_output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                          invalid_block_ids=invalid)
+            # vLLM's runner: a step without a forward reports only what ended
+            # (ModelRunnerOutput.with_kv_conn_output_only, vllm/v1/outputs.py:284-294).
+            if out.total_num_scheduled_tokens > 0 or not kv_output.is_empty():
+                output.kv_connector_output = kv_output
+        return output
 
     def take_draft_token_ids(self):
         drafts, self.step_drafts = self.step_drafts, ([], [])

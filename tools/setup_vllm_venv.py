@@ -49,6 +49,8 @@ DEPENDENCIES = [
     "openai-harmony==0.0.8", "openai==3.57.0", "pillow==13.0.0", "pybase64==1.5.1",
     "cachetools==8.0.2", "cloudpickle==3.1.3", "uvloop==0.23.0", "py-cpuinfo==9.0.0",
     "prometheus_client==0.26.0", "llguidance==1.9.1", "xgrammar==0.2.9", "einops==0.8.2",
+    # tools/record_vllm_scheduler.py's n-gram profiles call vLLM's own proposer.
+    "numba==0.68.1",
 ]
 # The releases this script can build: the packages each needs beyond DEPENDENCIES.
 VERSIONS = {

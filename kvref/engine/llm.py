@@ -161,7 +161,7 @@ class LLM:
             checkpoint folder's own tokenizer files, if it has any (never
             downloaded). Without one, prompts must be token ids.
         enable_kv_cache_events: queue the manager's block events
-            (``llm.kv_cache_manager.take_events()``).
+            (``llm.scheduler.take_events()``, after each step).
         speculative_config: ``{"method": "ngram", "num_speculative_tokens": k,
             "prompt_lookup_min": a, "prompt_lookup_max": b}`` (vLLM's keys and
             defaults: ``a = b = 5`` when neither is given, else the one given).

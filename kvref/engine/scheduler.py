@@ -70,9 +70,14 @@ vLLM's connector path (the methods under "KV connector" below)::
       connector.update_state_after_alloc(req, its blocks, num_ext)
     schedule() ends with output.kv_connector_metadata = connector.build_connector_meta(output)
     update_from_output: invalid (failed) blocks -> back to the first of them
-      ("recompute") or FINISHED_ERROR ("fail"); finished sends free held blocks
+      ("recompute") or FINISHED_ERROR ("fail"); finished sends free held blocks;
+      then connector.get_kv_connector_stats() and connector.take_events() (published
+      with the manager's events, ``take_events``)
     a finishing request: connector.request_finished(req, block_ids) may hold its blocks
       (request_finished_all_groups(req, ids per group) with SupportsHMA: hybrid models)
+    also: connector.bind_gpu_block_pool(pool) once at construction,
+      connector.on_new_request(req) in add_request, and
+      connector.has_pending_push_work() keeps has_requests() true
 
 Use it with any runner that turns a ``SchedulerOutput`` (``sched_output.py``)
 into a ``ModelRunnerOutput`` (``outputs.py``), stepped by ``EngineCore``
@@ -108,7 +113,8 @@ API summary (what other code relies on):
     (the requests that finished); ``update_draft_token_ids({req_id: draft})``;
     ``finish_requests(ids, status)`` (abort);
     ``has_unfinished_requests()``, ``has_requests()`` (also finished ones not yet
-    reported); ``running``, ``waiting``, ``requests``;
+    reported); ``take_events()`` (the KV cache events published after each step);
+    ``running``, ``waiting``, ``requests``;
     ``step_records`` (one ``StepRecord`` per step: scheduled tokens, admitted,
     resumed, preempted, finished, prefix-hit tokens, free blocks) and ``stats``
     (``SchedulerStats``: totals over the run).
@@ -291,6 +297,8 @@ class Scheduler:
                     kv_transfer_config, disable_hybrid_kv_cache_manager))
             self.recompute_kv_load_failures = \
                 kv_transfer_config.kv_load_failure_policy == "recompute"
+            # Once, now that the manager exists (vLLM builds it after the connector).
+            self.connector.bind_gpu_block_pool(kv_cache_manager.block_pool)
         # Tokens asked of the connector beyond the local hit, and those it had.
         self.connector_prefix_cache_stats = PrefixCacheStats() if self.connector else None
         self.finished_recving_kv_req_ids: set[str] = set()
@@ -302,6 +310,10 @@ class Scheduler:
         self.step_records: list[StepRecord] = []
         self._records_in_flight: dict[int, StepRecord] = {}   # id(SchedulerOutput) -> record
         self.stats = SchedulerStats()
+        # What update_from_output publishes: the KV cache events of each step
+        # (``take_events``), and the connector's stats of the last step.
+        self.kv_event_batches: list[list] = []
+        self.kv_connector_stats = None
 
         # Deferred frees (vLLM's fence): steps scheduled and steps processed,
         # counted over steps that schedule tokens, and the blocks waiting for a
@@ -333,6 +345,8 @@ class Scheduler:
                              f"{self.max_model_len})")
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        if self.connector is not None:
+            self.connector.on_new_request(request)
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += request.num_prompt_tokens
 
@@ -341,7 +355,9 @@ class Scheduler:
         """Finish requests from outside (an abort): dequeue and free them."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"{finished_status.name} is not a finished status")
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        # A set, as vLLM makes it: several requests end in its iteration order
+        # (which depends on PYTHONHASHSEED, for request-id strings).
+        ids = [request_ids] if isinstance(request_ids, str) else set(request_ids)
         for request_id in ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
@@ -377,8 +393,10 @@ class Scheduler:
     def has_requests(self) -> bool:
         """Whether the engine must step again (vLLM's ``has_requests``): unfinished
         requests, or finished ones no ``SchedulerOutput`` has reported yet (so
-        vLLM's engine runs one more, empty, step after the last request ends)."""
-        return self.has_unfinished_requests() or self.has_finished_requests()
+        vLLM's engine runs one more, empty, step after the last request ends), or
+        a connector with push work still in flight."""
+        return (self.has_unfinished_requests() or self.has_finished_requests()
+                or (self.connector is not None and self.connector.has_pending_push_work()))
 
     # -- one step ------------------------------------------------------------
 
@@ -531,6 +549,9 @@ class Scheduler:
                     if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                         break
                     num_new_tokens = min(num_new_tokens, token_budget)
+                    # Fails when a connector offered a synchronous hit of the whole
+                    # sequence (a full hit must leave the last token to compute).
+                    assert num_new_tokens > 0, request.request_id
 
                 # An async load holds its blocks with no progress until it lands: admit
                 # it only if the in-flight prefills can still finish after it.
@@ -757,14 +778,34 @@ class Scheduler:
         for request in stopped_preempted:
             self.waiting.remove(request)
         if failed_kv_load_req_ids and not self.recompute_kv_load_failures:
-            failed = [self.requests[req_id] for req_id in sorted(failed_kv_load_req_ids)]
+            failed = [self.requests[req_id] for req_id in failed_kv_load_req_ids]
             self.finish_requests(failed_kv_load_req_ids, RequestStatus.FINISHED_ERROR)
             finished.extend(failed)
             if record is not None:
                 record.finished.extend(r.request_id for r in failed)
+        if self.connector is not None and kv_connector_output is not None:
+            # (None: a step without a forward whose connector had nothing to report.)
+            self._update_from_kv_xfer_finished(kv_connector_output)
         if self.connector is not None:
-            self._update_from_kv_xfer_finished(kv_connector_output or KVConnectorOutput())
+            # The connector's own counters for this step (vLLM adds them to the
+            # step's SchedulerStats).
+            self.kv_connector_stats = self.connector.get_kv_connector_stats()
+        # The manager's KV cache events and the connector's go out together, once
+        # per step (vLLM publishes them as one KVEventBatch; with events off its
+        # publisher drops them, the connector's included).
+        events = list(self.kv_cache_manager.take_events())
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        if events and self.kv_cache_manager.block_pool.enable_kv_cache_events:
+            self.kv_event_batches.append(events)
         return finished
+
+    def take_events(self) -> list:
+        """The KV cache events published since the last call, oldest first: the
+        manager's block events and the connector's, taken after each step (none
+        unless the manager was built with ``enable_kv_cache_events``)."""
+        batches, self.kv_event_batches = self.kv_event_batches, []
+        return [event for batch in batches for event in batch]
 
     def _update_request_with_output(self, request: EngineRequest, new_token_ids: list[int]
                                     ) -> tuple[list[int], bool]:

@@ -15,6 +15,14 @@ each request arrived before), and one event per ``schedule()`` and per
 * ``update``: which step's output was applied, the tokens each request
   sampled, the requests that finished (and why), the free blocks and queues.
 
+With a KV connector (``config["connector"]``) both sides drive the same
+simulated connector (``sim_connector.py``), and every event also carries
+``conn`` (the connector calls since the previous event, arguments and
+answers) and ``kv`` (the KV cache manager's calls and answers); an update
+also carries the published KV events (block hashes compared by the order
+they first appear) and every request's status; ``abort`` events are the
+run cancelling what is left after ``STALL_STEPS`` idle engine iterations.
+
 The replay builds kvref's ``KVCacheManager`` and ``Scheduler`` (or
 ``AsyncScheduler``) from the configuration, runs them with kvref's
 ``ModelFreeRunner`` and kvref's own engine loop, and records the same events
@@ -40,6 +48,10 @@ from kvref.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheG
                                       SlidingWindowSpec)
 
 TRACE_FORMAT = "kvref-vllm-scheduler-trace/1"
+# A connector run aborts its unfinished requests after this many engine iterations in
+# a row with nothing scheduled, ended or in flight (the recorder's rule:
+# tools/record_vllm_scheduler.py).
+STALL_STEPS = 12
 
 __all__ = ["ReplayResult", "TRACE_FORMAT", "build_engine", "load_trace", "replay_file",
            "replay_run"]
@@ -91,23 +103,59 @@ def build_engine(config: dict):
         hash_block_size=config.get("hash_block_size", bs),
         max_num_batched_tokens=config["max_num_batched_tokens"],
         enable_caching=config["enable_prefix_caching"], log_stats=True,
-        watermark=config["watermark"])
+        watermark=config["watermark"],
+        enable_kv_cache_events=config.get("enable_kv_cache_events", False))
     spec = config["speculative"]
     cls = AsyncScheduler if config["async_scheduling"] else Scheduler
+    transfer = worker_connector = None
+    if config.get("connector"):
+        transfer, worker_connector = _sim_connector(config, manager.kv_cache_config)
     scheduler = cls(
         manager, max_num_batched_tokens=config["max_num_batched_tokens"],
         max_num_seqs=config["max_num_seqs"], max_model_len=config["max_model_len"],
         long_prefill_token_threshold=config["long_prefill_token_threshold"],
         scheduler_reserve_full_isl=config["scheduler_reserve_full_isl"],
         num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0,
-        eos_token_id=config["eos_token_id"])
+        eos_token_id=config["eos_token_id"], kv_transfer_config=transfer)
     drafter = None
     if spec:
         drafter = NgramProposer(spec["prompt_lookup_min"], spec["prompt_lookup_max"],
                                 spec["num_speculative_tokens"], config["max_model_len"])
     runner = ModelFreeRunner(config["vocab_size"], drafter=drafter,
-                             async_scheduling=config["async_scheduling"])
+                             async_scheduling=config["async_scheduling"],
+                             kv_connector=worker_connector)
+    if worker_connector is not None:
+        execute = runner.execute_model
+
+        def execute_model(scheduler_output):
+            # vLLM's runner returns no connector output from a step without a
+            # forward that has nothing to report (vllm/v1/outputs.py:284-294).
+            output = execute(scheduler_output)
+            if (scheduler_output.total_num_scheduled_tokens == 0
+                    and output.kv_connector_output.is_empty()):
+                output.kv_connector_output = None
+            return output
+        runner.execute_model = execute_model
     return scheduler, runner
+
+
+def _sim_connector(config: dict, kv_cache_config):
+    """The recorded runs' simulated connector (``sim_connector.py``): its transfer
+    config for the scheduler, and its worker half for the runner."""
+    from kvref.distributed.kv_transfer.kv_connector.factory import (KVConnectorFactory,
+                                                                    KVTransferConfig)
+    from kvref.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from kvref.verify import sim_connector  # noqa: F401 - registers SimConnector
+
+    connector = config["connector"]
+    transfer = KVTransferConfig(
+        kv_connector="SimConnector", kv_role=connector["kv_role"],
+        kv_load_failure_policy=connector["policy"],
+        kv_connector_extra_config={"plans": connector["plans"],
+                                   "block_size": config["block_size"], "calls": []})
+    worker = KVConnectorFactory.create_connector(transfer, KVConnectorRole.WORKER,
+                                                 kv_cache_config)
+    return transfer, worker
 
 
 class _EventLog:
@@ -122,6 +170,83 @@ class _EventLog:
         schedule, update = scheduler.schedule, scheduler.update_from_output
         scheduler.schedule = lambda: self._schedule(schedule)
         scheduler.update_from_output = lambda so, ro: self._update(update, so, ro)
+        self.kv_calls: list = []
+        self.conn_calls: list = []
+        self.num_idle = 0                         # iterations in a row with nothing going on
+        if scheduler.connector is not None:
+            self.conn_calls = scheduler.connector.sim.calls
+            self._observe_manager()
+
+    # -- a connector run: what else is observed (the recorder's fields) ------------
+
+    def _observe_manager(self) -> None:
+        import inspect
+        manager = self.scheduler.kv_cache_manager
+        log = self.kv_calls
+
+        def wrap(name, summarize):
+            original = getattr(manager, name)
+            signature = inspect.signature(original)
+
+            def call(*args, **kwargs):
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                answer = original(*args, **kwargs)
+                log.append(summarize(bound.arguments, answer))
+                return answer
+            setattr(manager, name, call)
+
+        def ids(blocks):
+            return None if blocks is None else [list(g) for g in blocks.get_block_ids()]
+        wrap("get_computed_blocks", lambda a, r: ["hit", a["request"].request_id, r[1]])
+        wrap("allocate_slots", lambda a, r: [
+            "alloc", a["request"].request_id, a["num_new_tokens"], a["num_new_computed_tokens"],
+            a["num_external_computed_tokens"], a["delay_cache_blocks"], a["reserved_blocks"],
+            a["full_sequence_must_fit"], ids(r)])
+        wrap("cache_blocks", lambda a, r: ["cache", a["request"].request_id,
+                                           a["num_computed_tokens"]])
+        wrap("evict_blocks", lambda a, r: ["evict", sorted(a["block_ids"])])
+        wrap("pop_blocks_for_free", lambda a, r: ["pop", a["request"].request_id,
+                                                  [b.block_id for b in r]])
+        wrap("free", lambda a, r: ["free", a["request"].request_id])
+
+    def attach(self, event: dict) -> dict:
+        """A connector run's event carries the calls made since the previous one."""
+        if self.scheduler.connector is not None:
+            event["conn"], self.conn_calls[:] = list(self.conn_calls), []
+            event["kv"], self.kv_calls[:] = list(self.kv_calls), []
+            if event["op"] == "update":
+                batches, self.scheduler.kv_event_batches = self.scheduler.kv_event_batches, []
+                event["published"] = [[summarize_kv_event(e) for e in batch]
+                                      for batch in batches]
+                event["status"] = {rid: r.status.name
+                                   for rid, r in sorted(self.scheduler.requests.items())}
+        return event
+
+    def abort_if_stalled(self, first_event: int) -> None:
+        """The recorder's rule: after STALL_STEPS engine iterations in a row in which
+        nothing was scheduled, no transfer ended and none was in flight, abort the
+        unfinished requests, one by one in id order. ``first_event``: where this
+        iteration's events start."""
+        from kvref import RequestStatus
+        sim = self.scheduler.connector.sim
+        busy = (sim.pending
+                or any(e["op"] == "schedule" and e["tokens"] for e in self.events[first_event:])
+                or any(c[0] == "update_connector_output" and (c[1] or c[2] or c[3])
+                       for e in self.events[first_event:] for c in e["conn"]))
+        self.num_idle = 0 if busy else self.num_idle + 1
+        if self.num_idle < STALL_STEPS:
+            return
+        self.num_idle = 0
+        sched = self.scheduler
+        ids = sorted(r.request_id for r in [*sched.running, *sched.waiting,
+                                            *sched.skipped_waiting])
+        if not ids:
+            return
+        for rid in ids:
+            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        self.events.append(self.attach({"op": "abort", "step": self.num_schedules,
+                                        "ids": ids}))
 
     def _queues(self) -> dict:
         return {"running": [r.request_id for r in self.scheduler.running],
@@ -154,7 +279,7 @@ class _EventLog:
         if self.async_scheduling:
             event["placeholders"] = {rid: sched.requests[rid].num_output_placeholders
                                      for rid in out.num_scheduled_tokens}
-        self.events.append(event)
+        self.events.append(self.attach(event))
         self.step_of[id(out)] = self.num_schedules
         self.num_schedules += 1
         return out
@@ -164,14 +289,46 @@ class _EventLog:
         sampled = {rid: list(runner_output.sampled_token_ids[i])
                    for i, rid in enumerate(runner_output.req_ids)
                    if runner_output.sampled_token_ids[i]}
-        self.events.append({
+        self.events.append(self.attach({
             "op": "update", "step": self.step_of.pop(id(out)),
             "sampled": sampled,
             "finished": [[r.request_id, r.get_finished_reason()] for r in finished],
             "free": self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             **self._queues(),
-        })
+        }))
         return finished
+
+
+def summarize_kv_event(event) -> list:
+    """A published KV cache event, as the recorder writes vLLM's."""
+    kind = type(event).__name__
+    if kind == "BlockStored":
+        return [kind, list(event.block_hashes), event.parent_block_hash, len(event.token_ids),
+                event.block_size, event.medium, event.group_idx]
+    if kind == "BlockRemoved":
+        return [kind, list(event.block_hashes), event.medium, event.group_idx]
+    return [kind]
+
+
+def _number_event_hashes(events: list[dict]) -> list[dict]:
+    """The published events with each block hash replaced by the order of its first
+    appearance in the run: hashes derive from the process's NONE_HASH (random
+    unless PYTHONHASHSEED is set), so only their pattern can match."""
+    numbers: dict = {}
+
+    def number(h):
+        return None if h is None else numbers.setdefault(h, len(numbers))
+    out = []
+    for event in events:
+        if "published" in event:
+            event = dict(event)
+            event["published"] = [
+                [[e[0], [number(h) for h in e[1]], number(e[2]), *e[3:]]
+                 if e[0] == "BlockStored" else
+                 [e[0], [number(h) for h in e[1]], *e[2:]] if e[0] == "BlockRemoved" else e
+                 for e in batch] for batch in event["published"]]
+        out.append(event)
+    return out
 
 
 def _diff(expected: Any, actual: Any, path: str = "") -> str | None:
@@ -212,7 +369,10 @@ def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> Replay
                     max_tokens=params["max_tokens"], ignore_eos=params.get("ignore_eos", True),
                     min_tokens=params.get("min_tokens", 0),
                     stop_token_ids=tuple(params.get("stop_token_ids") or ())))
+            first_event = len(log.events)
             loop.step()
+            if scheduler.connector is not None:
+                log.abort_if_stalled(first_event)
             scheduler.kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())
             iteration += 1
             if iteration > max_iterations:
@@ -222,8 +382,8 @@ def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> Replay
     finally:
         loop.shutdown()
 
-    expected = run["events"]
-    actual = log.events
+    expected = _number_event_hashes(run["events"])
+    actual = _number_event_hashes(log.events)
     first = None
     bad_steps: set[int] = set()          # steps whose schedule or update event differs
     for i, want in enumerate(expected):
@@ -252,3 +412,26 @@ def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> Replay
 def replay_file(path: str | Path) -> list[ReplayResult]:
     doc = load_trace(path)
     return [replay_run(run, f"{doc['profile']}[{i}]") for i, run in enumerate(doc["runs"])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvref.verify.scheduler_replay TRACE...``: one JSON line per run
+    (name, steps, divergent steps, first divergence). Connector traces iterate
+    sets of request ids as vLLM does, so replay them under the recorder's
+    ``PYTHONHASHSEED`` (0)."""
+    import argparse
+    import sys
+    parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    parser.add_argument("traces", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    for path in args.traces:
+        for result in replay_file(path):
+            print(json.dumps({"name": result.name, "num_steps": result.num_steps,
+                              "divergent_steps": result.divergent_steps,
+                              "divergence": result.divergence}), flush=True)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

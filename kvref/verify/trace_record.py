@@ -48,7 +48,8 @@ from kvref.verify.trace_replay import TRACE_FORMAT, TraceReplayer
 # Block-pool attributes a scheduler may read through the recorder (nothing that changes state).
 _READ_ONLY_POOL = frozenset({"blocks", "null_block", "free_block_queue", "num_gpu_blocks",
                              "hash_block_size", "enable_caching", "get_num_free_blocks",
-                             "get_usage", "cached_block_hash_to_block", "get_cached_block"})
+                             "get_usage", "cached_block_hash_to_block", "get_cached_block",
+                             "enable_kv_cache_events"})
 # Manager attributes that read state only.
 _READ_ONLY_MANAGER = frozenset({"empty_kv_cache_blocks", "num_kv_cache_groups",
                                 "max_model_len", "kv_cache_config", "enable_caching",

@@ -509,8 +509,8 @@ def record_workload(name: str, max_steps: int | None = None, seed: str = "0",
         for rid in scheduler.step_records[-1].finished:
             done[rid] = list(live[rid].all_token_ids)
         recorder.sync_requests()
+        # (The scheduler took the step's KV events in update_from_output.)
         # What vLLM's scheduler does when it makes its stats after a step.
-        recorder.take_events()
         recorder.make_prefix_cache_stats()
         parts = loads.step(step, live, recorder.ops[first_op:], core_step) if loads \
             else ([], set())

@@ -51,7 +51,7 @@ class StepWatcher:
         manager = llm.kv_cache_manager
         manager.check_valid()
         self.num_steps += 1
-        self.evicted_blocks += sum(len(e.block_hashes) for e in manager.take_events()
+        self.evicted_blocks += sum(len(e.block_hashes) for e in llm.scheduler.take_events()
                                    if isinstance(e, BlockRemoved))
         window_groups = [g for g, group in enumerate(llm.kv_cache_config.kv_cache_groups)
                          if type(group.kv_cache_spec).__name__ == "SlidingWindowSpec"]

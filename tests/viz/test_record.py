@@ -62,7 +62,9 @@ def test_the_scheduler_bookkeeping_is_written_before_the_call_that_needs_it():
     after = names[second:]
     assert ("set_status", "RUNNING") in after and ("set_num_computed_tokens", 10) in after
     assert after.index(("append_output_token_ids", None)) < after.index(("allocate_slots", None))
-    assert names[-2:] == [("set_status", "FINISHED_LENGTH_CAPPED"), ("free", None)]
+    # ... and, as vLLM's, takes the step's KV events at the end of update_from_output.
+    assert names[-3:] == [("set_status", "FINISHED_LENGTH_CAPPED"), ("free", None),
+                          ("take_events", None)]
 
 
 def test_only_recordable_hit_blocks_are_accepted():

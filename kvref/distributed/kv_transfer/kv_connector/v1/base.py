@@ -226,7 +226,22 @@ class KVConnectorBase_V1(ABC):
     def shutdown(self) -> None:
         """Release what the connector holds (connections, threads)."""
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What the connector counted since the last call, or None (the default).
+        The scheduler asks after every ``update_from_output``
+        (``vllm/v1/core/sched/scheduler.py:1788-1799``)."""
+        return None
+
     # -- scheduler side ----------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        """The engine's ``BlockPool``, handed over once, after the scheduler built
+        its KV cache manager (``scheduler.py:278-280``); a connector that tracks
+        per-block state keeps it. Does nothing by default."""
+
+    def on_new_request(self, request) -> None:
+        """A request was just queued (``add_request``, ``scheduler.py:2031-2032``).
+        Does nothing by default."""
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
@@ -259,8 +274,16 @@ class KVConnectorBase_V1(ABC):
         return False, None
 
     def take_events(self) -> Iterable:
-        """KV cache events the connector produced since the last call."""
+        """KV cache events the connector produced since the last call. The scheduler
+        takes them after every ``update_from_output`` and publishes them with the
+        KV cache manager's in one batch (``scheduler.py:1801-1816``)."""
         return ()
+
+    def has_pending_push_work(self) -> bool:
+        """Whether the engine must keep stepping for the connector's sake with no
+        request left (a producer's push still in flight): ``has_requests`` asks
+        (``scheduler.py:2190-2194``). False by default."""
+        return False
 
 
 def execute_with_connector(connector: KVConnectorBase_V1 | None, scheduler_output, execute):
@@ -281,8 +304,13 @@ def execute_with_connector(connector: KVConnectorBase_V1 | None, scheduler_outpu
     if scheduler_output.total_num_scheduled_tokens > 0:
         connector.wait_for_save()
     sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
-    output.kv_connector_output = KVConnectorOutput(
+    kv_connector_output = KVConnectorOutput(
         finished_sending=sending, finished_recving=recving,
         invalid_block_ids=connector.get_block_ids_with_load_errors())
     connector.clear_connector_metadata()
+    # (vLLM's runner returns no KVConnectorOutput at all from a step without a
+    # forward that has nothing to report, ``vllm/v1/outputs.py:284-294``, so its
+    # scheduler skips ``update_connector_output`` there; kvref's runners always
+    # report, and kvref's CPU tier counts on one call per step.)
+    output.kv_connector_output = kv_connector_output
     return output
