@@ -42,7 +42,9 @@ with the second::
          resumed request prompt and outputs so far) do not fit now, so a
          long prompt is not prefilled part way and then preempted; and the
          manager's watermark keeps a share of the pool free for requests
-         already running. With k-token speculation, a request left with one
+         already running. With k-token speculation (and no per-batch-size
+         draft count: vLLM pads only when its dynamic_sd_lookup is None,
+         which kvref never sets), a request left with one
          token to compute while the batch is all decodes is padded to 1 + k
          tokens with -1 drafts; if 1 + k does not fit the budget or
          max_model_len, admission stops.
