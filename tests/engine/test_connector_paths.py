@@ -14,10 +14,11 @@ own answer (``reference_output``), and every block is free at the end.
 
 from __future__ import annotations
 
-from kvref import RequestStatus
-from kvref.engine import ModelFreeRunner, SamplingParams
+from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager, RequestStatus
+from kvref.engine import AsyncScheduler, ModelFreeRunner, SamplingParams
+from kvref.engine.outputs import ModelRunnerOutput
 
-from .scripted_connector import Script, engine, step_until_idle
+from .scripted_connector import BLOCK, Script, engine, step_until_idle
 
 RUNNER = ModelFreeRunner(vocab_size=90)
 
@@ -226,3 +227,71 @@ def test_async_scheduling_with_chunked_prompts_keeps_the_tokens():
         assert r.output_token_ids == RUNNER.reference_output(prompt(40 * i, 9 + i), 5)
         assert r.num_output_placeholders == 0
     assert_all_free(scheduler, 24)
+
+
+def test_a_deferred_free_waits_for_the_last_step_that_wrote_the_blocks():
+    """The fence is the last step scheduled when the request was freed, whatever
+    the number of steps in flight: planned twice (steps 1 and 2 both write a's
+    blocks), aborted, a's blocks stay parked after step 1's output and return
+    only after step 2's (vLLM's ``_drain_deferred_frees``: fence <= processed).
+    Driven by hand, as a loop with a deeper batch queue would drive it."""
+    config = KVCacheConfig(24, [KVCacheGroupSpec(["l0"], FullAttentionSpec(BLOCK))])
+    manager = KVCacheManager(config, max_model_len=64, scheduler_block_size=BLOCK,
+                             hash_block_size=BLOCK)
+    scheduler = AsyncScheduler(manager, max_num_batched_tokens=64, kv_consumer=True)
+    runner = ModelFreeRunner(vocab_size=90, async_scheduling=True)
+    scheduler.new_request("a", prompt(10, 10), params(8))
+    first = scheduler.schedule()
+    first_output = runner.execute_model(first)
+    second = scheduler.schedule()
+    second_output = runner.execute_model(second)
+    assert "a" in first.num_scheduled_tokens and "a" in second.num_scheduled_tokens
+    pool = manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    held = len(manager.get_blocks("a").blocks[0])
+    scheduler.finish_requests("a")
+    scheduler.update_from_output(first, first_output)
+    assert pool.get_num_free_blocks() == free_before      # step 2 still writes them
+    assert [len(b) for b in scheduler.deferred_blocks()] == [held]
+    scheduler.update_from_output(second, second_output)
+    assert pool.get_num_free_blocks() == free_before + held and not scheduler.deferred_frees
+
+
+def test_async_placeholders_follow_the_tokens_each_step_keeps():
+    """Async scheduling with 2 drafts a step, every draft accepted: each step in
+    flight holds 1 + 2 placeholders, and a step's output gives back one per
+    token kept, so after every update the placeholders are exactly those of the
+    steps still in flight. Driven by hand with two steps in flight and a worker
+    that accepts every draft (the model-free runner's tokens almost never match
+    an n-gram draft)."""
+    config = KVCacheConfig(24, [KVCacheGroupSpec(["l0"], FullAttentionSpec(BLOCK))])
+    manager = KVCacheManager(config, max_model_len=64, scheduler_block_size=BLOCK,
+                             hash_block_size=BLOCK)
+    scheduler = AsyncScheduler(manager, max_num_batched_tokens=64, num_speculative_tokens=2)
+    r = scheduler.new_request("r", prompt(10, 6), params(12))
+
+    def accept_all(out):
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[] if scheduler.requests[i].is_prefill_chunk else
+                   [7] * (1 + len(out.scheduled_spec_decode_tokens.get(i, ()))) for i in ids]
+        return ModelRunnerOutput(ids, {i: n for n, i in enumerate(ids)}, sampled)
+
+    in_flight: list = []
+    updates = 0
+    for _ in range(40):
+        if not (scheduler.has_requests() or in_flight):
+            break
+        if scheduler.has_requests():
+            out = scheduler.schedule()
+            in_flight.insert(0, (out, accept_all(out)))
+            if len(in_flight) < 2:
+                continue
+        out, model_output = in_flight.pop()
+        scheduler.update_from_output(out, model_output)
+        updates += 1
+        if not r.is_finished():
+            expected = sum(len(mo.sampled_token_ids[mo.req_id_to_index["r"]])
+                           for _, mo in in_flight if "r" in mo.req_id_to_index)
+            assert r.num_output_placeholders == expected, updates
+    assert r.is_finished() and len(r.output_token_ids) == 12
+    assert scheduler.stats.num_accepted_tokens > 0
