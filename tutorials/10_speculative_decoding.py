@@ -404,7 +404,8 @@ claim(bool(torch.isnan(out_c).all())
 #    `num_computed_tokens - num_output_placeholders`
 #    (`vllm/v1/core/sched/async_scheduler.py:70-74`). The first number counts
 #    the input positions of every step scheduled, the second the tokens the
-#    steps in flight will sample, one per input position; the difference is
+#    steps in flight will sample; behind a step that returned tokens, those
+#    are decodes, one placeholder per input position, so the difference is
 #    the positions of the steps already processed. A step in flight has
 #    sampled nothing yet, so its outputs have no ids and no block hash; its
 #    input (the token just sampled) has an id, but is left for the next

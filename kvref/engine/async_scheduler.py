@@ -19,9 +19,10 @@ next one, so it counts the tokens a step in flight will produce as
   full blocks only up to ``num_computed_tokens - num_output_placeholders``
   (vLLM's ``async_scheduler.py:70-74``). Why that count: ``num_computed_tokens``
   counts the input positions of every step scheduled, the placeholders the
-  tokens the steps in flight will sample (one per input position, drafts
-  included), so the difference is the positions of the steps already
-  processed. The outputs of a step in flight have no ids yet, hence no block
+  tokens the steps in flight will sample; a step that returns tokens was
+  the prompt's last chunk or a decode, so the steps behind it are decodes,
+  one placeholder per input position (drafts included), and the difference
+  is the positions of the steps already processed. The outputs of a step in flight have no ids yet, hence no block
   hash; its input (the token just sampled) has one but is left to the next
   ``allocate_slots``, so a block is cached a step later than in the
   synchronous loop. It is not a rule of "written KV only": ``allocate_slots``
