@@ -16,7 +16,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import seeded_bugs  # noqa: E402
 
-BUGS = [*seeded_bugs.CATALOGUE, *seeded_bugs.TENSOR_ENGINE_CATALOGUE]
+BUGS = [*seeded_bugs.CATALOGUE, *seeded_bugs.TENSOR_ENGINE_CATALOGUE,
+        *seeded_bugs.CONNECTOR_CATALOGUE]
 
 
 @pytest.mark.parametrize("bug", BUGS, ids=[bug.bug_id for bug in BUGS])

@@ -72,6 +72,12 @@ CHEAP: dict[str, tuple[str, str]] = {
         "one bug of the tensor/engine catalogue against the n-gram proposer's spec property "
         "alone (about a minute) instead of every bug against tests/tensor and tests/engine "
         "(about 45 minutes)"),
+    "python3 tools/seeded_bugs.py --catalogue connector -j 1": (
+        "python3 tools/seeded_bugs.py --catalogue connector -k fail-policy-inverted "
+        "-- -k test_recompute_goes_back_to_the_first_failed_block",
+        "one bug of the connector catalogue against one connector-path test (under a "
+        "minute) instead of every bug against tests/engine and tests/distributed (about "
+        "15 minutes)"),
     "python3 tools/seeded_bugs.py -k swa": (
         "python3 tools/seeded_bugs.py -k swa-run-too-short -- -k test_hit_search_properties",
         "one of the swa bugs, against the hit-search properties alone"),

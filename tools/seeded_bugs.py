@@ -19,6 +19,11 @@ checks.
   without lessons, the suite of the bug's own side first, fastest files
   first, stopping at the first failure, with the Hypothesis profile "seeded"
   (the ci examples, no shrinking); the report names the first failing test.
+- ``--catalogue connector`` (``CONNECTOR_CATALOGUE``): the scheduler's KV
+  connector path and async scheduling (``kvref/engine/scheduler.py``,
+  ``async_scheduler.py``), against ``tests/engine`` (its connector and async
+  tests first), ``tests/distributed`` and ``tests/viz/test_disagg_life.py``, in
+  the same way: no recorded vLLM trace, no lesson, first failure reported.
 
     python tools/seeded_bugs.py                 # every core bug, a table at the end
     python tools/seeded_bugs.py -k hit-cap      # bugs whose id contains "hit-cap"
@@ -27,6 +32,7 @@ checks.
     python tools/seeded_bugs.py -k swa -- -k "not scheduler_paths"   # pytest arguments
     python tools/seeded_bugs.py --catalogue tensor-engine -j 1       # the tensor/engine bugs
     python tools/seeded_bugs.py --catalogue tensor-engine -k ngram- --list
+    python tools/seeded_bugs.py --catalogue connector -j 1           # connector + async bugs
 
 Exit status 0 only if every selected bug is killed. An edit whose text is not
 found exactly once in its file is an error, reported before anything runs: the
@@ -610,6 +616,111 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
 ]
 
 
+# -- KV connectors and async scheduling (--catalogue connector) -------------------------
+# Each bug is a mistake a reimplementer of vLLM's connector path or of its
+# AsyncScheduler could plausibly make (kvref/engine/scheduler.py's connector
+# methods, async_scheduler.py). Each runs against tests/engine (the connector and
+# async tests first), tests/distributed and the README's disaggregated-request
+# tables, without the tests that replay recorded vLLM traces and without lessons.
+
+_SCHED = "kvref/engine/scheduler.py"
+_ASYNC = "kvref/engine/async_scheduler.py"
+
+CONNECTOR_CATALOGUE: list[SeededBug] = [
+    SeededBug("load-cached-before-landing",
+              "an asynchronous load's blocks are cached when allocated, before the KV lands",
+              _SCHED, "                    delay_cache_blocks=load_kv_async,\n",
+              "                    delay_cache_blocks=False,\n", kind="connector"),
+    SeededBug("reserved-blocks-ignored-by-scheduler",
+              "an asynchronous load is admitted without reserving what prefills in flight "
+              "still need",
+              _SCHED, "                reserved_blocks = self._inflight_prefill_reserved_blocks() \\\n"
+                      "                    if load_kv_async else 0\n",
+              "                reserved_blocks = 0\n", kind="connector"),
+    SeededBug("producer-frees-at-once",
+              "a producer's blocks are freed when its request finishes, while they are "
+              "still being sent",
+              _SCHED, "        if not (delay_free_blocks or connector_delay_free_blocks):\n",
+              "        if not delay_free_blocks:\n", kind="connector"),
+    SeededBug("held-requests-not-awaited",
+              "the engine stops stepping while a producer still holds blocks to send",
+              _SCHED, "        return bool(self.finished_req_ids) or \\\n"
+                      "            len(self.requests) > self.get_num_unfinished_requests()\n",
+              "        return bool(self.finished_req_ids)\n", kind="connector"),
+    SeededBug("deferred-free-released-early",
+              "a deferred free goes back to the pool one step before its step is processed",
+              _SCHED, "self.deferred_frees[0][0] <= self.processed_step_seq:",
+              "self.deferred_frees[0][0] <= self.processed_step_seq + 1:", kind="async"),
+    SeededBug("consumer-never-defers",
+              "a KV consumer under async scheduling frees blocks a step in flight still "
+              "writes (the fence is never on)",
+              _SCHED, "self.defer_block_free = self.kv_consumer and self.max_concurrent_batches > 1",
+              "self.defer_block_free = self.kv_consumer and self.max_concurrent_batches > 2",
+              kind="async"),
+    SeededBug("deferred-free-head-first",
+              "deferred blocks are freed head first, so the request's prefix is evicted first",
+              _SCHED, "            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))\n",
+              "            self.kv_cache_manager.block_pool.free_blocks(blocks)\n", kind="async"),
+    SeededBug("fence-counts-empty-steps",
+              "the deferred-free fence counts steps that schedule nothing (whose output "
+              "never advances it)",
+              _SCHED, "        if self.defer_block_free and total > 0:\n",
+              "        if self.defer_block_free:\n", kind="async"),
+    SeededBug("whole-load-no-recompute",
+              "a load of the whole prompt leaves nothing to compute (the last prompt token "
+              "is not recomputed for its logits)",
+              _SCHED, "                request.num_computed_tokens = request.num_tokens - 1\n",
+              "                pass\n", kind="connector"),
+    SeededBug("failed-block-kept",
+              "a failed load goes back to the block after the first failed one, keeping it",
+              _SCHED, "                request.num_computed_tokens = index * block_size\n",
+              "                request.num_computed_tokens = (index + 1) * block_size\n",
+              kind="connector"),
+    SeededBug("fail-policy-inverted",
+              "kv_load_failure_policy is read the wrong way round",
+              _SCHED, 'kv_transfer_config.kv_load_failure_policy == "recompute"',
+              'kv_transfer_config.kv_load_failure_policy != "recompute"', kind="connector"),
+    SeededBug("failed-blocks-stay-cached",
+              'under "fail" the failed blocks of a synchronous load stay in the prefix cache',
+              _SCHED, "                self.kv_cache_manager.evict_blocks(sync_blocks)\n",
+              "                pass\n", kind="connector"),
+    SeededBug("abort-during-load-frees-now",
+              "a request aborted while its load is in flight frees the blocks the load still "
+              "writes into",
+              _SCHED, "                delay_free_blocks = request_id not in "
+                      "self.finished_recving_kv_req_ids\n",
+              "                delay_free_blocks = False\n", kind="connector"),
+    SeededBug("skipped-order-reversed",
+              "requests skipped this step (loading, or told to ask again) come back in "
+              "reverse order",
+              _SCHED, "            self.skipped_waiting.extendleft(reversed(step_skipped))\n",
+              "            self.skipped_waiting.extendleft(step_skipped)\n", kind="connector"),
+    SeededBug("placeholders-cached",
+              "async: update_from_output caches up to num_computed_tokens, placeholders "
+              "included",
+              _ASYNC, "                request, request.num_computed_tokens - "
+                      "request.num_output_placeholders)",
+              "                request, request.num_computed_tokens)", kind="async"),
+    SeededBug("placeholder-for-prefill-chunk",
+              "async: a prefill chunk, which samples nothing, gets an output placeholder",
+              _ASYNC, "            if request.is_prefill_chunk:\n"
+                      "                continue                          # samples nothing: "
+                      "no placeholder\n",
+              "", kind="async"),
+    SeededBug("placeholders-released-per-step",
+              "async: a step's placeholders are released one per step, not one per token "
+              "kept",
+              _ASYNC, "        request.num_output_placeholders -= len(new_token_ids)\n",
+              "        request.num_output_placeholders -= min(1, len(new_token_ids))\n",
+              kind="async"),
+    SeededBug("load-not-reserved-for",
+              "an asynchronous load is not counted among the prefills in flight (vLLM "
+              "counts it, which is how stall 4's ghost reservation arises)",
+              _SCHED, "                    self._inflight_prefills.add(request)\n"
+                      "                    step_skipped.append(request)\n",
+              "                    step_skipped.append(request)\n", kind="connector"),
+]
+
 INVARIANT_ID = re.compile(r"\bINV-[A-Z]+-\d+\b")
 FAILED_TEST = re.compile(r"^(?:FAILED|ERROR) (tests/\S+?)(?: - |$)", re.MULTILINE)
 
@@ -665,6 +776,19 @@ def _ordered_tests(root: Path, folder: str, first: list[str]) -> list[str]:
     return [path for path in ordered if path not in TRACE_FILES]
 
 
+# The connector catalogue's suite: the connector and async tests first.
+CONNECTOR_FIRST = ["test_connector_paths.py", "test_vllm_connector_stalls.py",
+                   "test_async_scheduling.py", "test_scheduler.py", "test_kv_connectors.py",
+                   "test_disaggregated_prefill.py", "test_kv_connector_properties.py"]
+
+
+def connector_tests(root: Path) -> list[str]:
+    """``tests/engine`` (connector and async tests first), ``tests/distributed``, and
+    the README's tables of one disaggregated request."""
+    return [*_ordered_tests(root, "engine", CONNECTOR_FIRST),
+            *_ordered_tests(root, "distributed", []), "tests/viz/test_disagg_life.py"]
+
+
 def tensor_engine_tests(bug: SeededBug, root: Path) -> list[str]:
     """``tests/tensor`` and ``tests/engine``, the bug's own side first."""
     tensor = _ordered_tests(root, "tensor", TENSOR_FIRST)
@@ -690,11 +814,13 @@ def run_one(bug: SeededBug, pytest_args: list[str], also_other_suites: bool = Fa
     others = None
     with tempfile.TemporaryDirectory(prefix=f"kvref-{bug.bug_id}-") as tmp:
         copy = Path(tmp) / "kvref"
-        _copy_project(copy, with_traces=also_other_suites or catalogue == "tensor-engine")
+        _copy_project(copy, with_traces=also_other_suites or catalogue != "core")
         apply(bug, copy)
-        if catalogue == "tensor-engine":
+        if catalogue != "core":
+            tests = tensor_engine_tests(bug, copy) if catalogue == "tensor-engine" \
+                else connector_tests(copy)
             status, output = _run_pytest(
-                [*tensor_engine_tests(bug, copy), "-x", "-q", "-p", "no:cacheprovider",
+                [*tests, "-x", "-q", "-p", "no:cacheprovider",
                  "--hypothesis-profile=seeded",
                  *(f"--deselect={test}" for test in TRACE_TESTS), *pytest_args],
                 copy, timeout)
@@ -738,7 +864,8 @@ def _tensor_engine_outcome(bug: SeededBug, status: int | None, output: str,
     return Outcome(bug, True, test, seconds, suite=test.split("/")[1])
 
 
-def write_markdown(path: Path, outcomes: list[Outcome]) -> None:
+def write_markdown(path: Path, outcomes: list[Outcome],
+                   suites: str = "tests/tensor and tests/engine") -> None:
     """The kill table as markdown: one row per bug, what it breaks and what failed first."""
     lines = ["| bug | kind | file | what it breaks | killed by (first failing test) | time |",
              "|---|---|---|---|---|---|"]
@@ -748,11 +875,12 @@ def write_markdown(path: Path, outcomes: list[Outcome]) -> None:
                      f" | {o.bug.description} | {verdict} | {o.seconds:.0f}s |")
     killed = sum(o.killed for o in outcomes)
     lines.append("")
-    lines.append(f"{killed} of {len(outcomes)} killed by tests/tensor and tests/engine alone.")
+    lines.append(f"{killed} of {len(outcomes)} killed by {suites} alone.")
     path.write_text("\n".join(lines) + "\n")
 
 
-CATALOGUES = {"core": lambda: CATALOGUE, "tensor-engine": lambda: TENSOR_ENGINE_CATALOGUE}
+CATALOGUES = {"core": lambda: CATALOGUE, "tensor-engine": lambda: TENSOR_ENGINE_CATALOGUE,
+              "connector": lambda: CONNECTOR_CATALOGUE}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -762,7 +890,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only bug ids containing this (or any of several, comma-separated)")
     parser.add_argument("--catalogue", choices=sorted(CATALOGUES), default="core",
                         help="core: the KV layer against tests/stateful; tensor-engine: "
-                             "worker, attention and engine against tests/tensor+tests/engine")
+                             "worker, attention and engine against tests/tensor+tests/engine; "
+                             "connector: the scheduler's connector and async paths against "
+                             "tests/engine+tests/distributed")
     parser.add_argument("--list", action="store_true", help="print the catalogue and stop")
     parser.add_argument("-j", "--jobs", type=int, default=2, help="bugs run in parallel")
     parser.add_argument("--timeout", type=float, default=1800.0,
@@ -775,7 +905,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs="*",
                         help="extra pytest arguments, e.g. --hypothesis-profile=deep")
     args = parser.parse_args(argv)
-    tensor_engine = args.catalogue == "tensor-engine"
+    tensor_engine = args.catalogue != "core"     # tensor-engine or connector: same report
+    suites = ("tests/engine + tests/distributed" if args.catalogue == "connector"
+              else "tests/tensor + tests/engine")
     if tensor_engine and args.also_other_suites:
         parser.error("--also-other-suites is for the core catalogue")
     wanted = args.select.split(",")
@@ -794,7 +926,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
     outcomes: list[Outcome] = []
-    suite_name = ("tests/tensor + tests/engine" if tensor_engine else "the stateful suite")
+    suite_name = suites if tensor_engine else "the stateful suite"
     with Progress(console=console) as progress, ThreadPoolExecutor(args.jobs) as pool:
         task = progress.add_task(f"running {suite_name} on each bug", total=len(bugs))
         futures = [pool.submit(run_one, bug, args.pytest_args, args.also_other_suites,
@@ -810,8 +942,7 @@ def main(argv: list[str] | None = None) -> int:
 
     survived = [o.bug.bug_id for o in outcomes if not o.killed]
     if tensor_engine:
-        table = Table(title="Seeded bugs against tests/tensor + tests/engine "
-                            "(descriptions: --list)")
+        table = Table(title=f"Seeded bugs against {suites} (descriptions: --list)")
         for column in ("bug", "kind", "verdict", "first failing test", "time"):
             table.add_column(column)
         for o in outcomes:
@@ -820,9 +951,9 @@ def main(argv: list[str] | None = None) -> int:
                           o.caught_by, f"{o.seconds:.0f}s")
         console.print(table)
         if args.markdown:
-            write_markdown(args.markdown, outcomes)
+            write_markdown(args.markdown, outcomes, suites.replace(" + ", " and "))
         console.print(f"{len(outcomes) - len(survived)} of {len(outcomes)} seeded bugs killed "
-                      "by tests/tensor and tests/engine alone (no trace, no lesson)"
+                      f"by {suites} alone (no trace, no lesson)"
                       + (f"; survived: {', '.join(survived)}" if survived else ""))
         return 1 if survived else 0
 

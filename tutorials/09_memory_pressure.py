@@ -177,9 +177,10 @@ claim([o.outputs[0].token_ids for o in marked] == [o.outputs[0].token_ids for o 
 # step 1 only 9 blocks are free. With the gate, request 1 waits for request 0
 # to finish. Without it (`scheduler_reserve_full_isl=False`), request 1 takes
 # 7 tokens of every step's budget for four steps, until request 0 needs a
-# block and request 1, the last admitted, is preempted: 28 prompt tokens
-# computed for nothing (the cache keeps the 24 in full blocks, and its
-# re-admission hits them).
+# block and request 1, the last admitted, is preempted after 28 of its prompt
+# tokens were computed. Not all 28 are lost: the 24 in its 6 full blocks stay
+# cached, and its re-admission hits them, so 4 prompt tokens (the partial
+# seventh block) are computed twice.
 
 # %%
 section("4. The full-sequence gate on a long prompt")
@@ -211,6 +212,10 @@ show(f"prompt tokens computed: {with_gate.stats.prompt_tokens_computed} with the
      f"tokens scheduled {with_gate.stats.total_tokens_scheduled} vs "
      f"{without_gate.stats.total_tokens_scheduled}; steps {with_gate.stats.num_steps} vs "
      f"{without_gate.stats.num_steps}")
+claim(without_gate.stats.prompt_tokens_cached == 24
+      and without_gate.stats.prompt_tokens_computed - with_gate.stats.prompt_tokens_computed == 4,
+      "of the 28 tokens computed before the preemption, 24 are hit on re-admission: "
+      "4 are computed twice")
 claim(without_gate.stats.total_tokens_scheduled > with_gate.stats.total_tokens_scheduled
       and without_gate.stats.prompt_tokens_computed > with_gate.stats.prompt_tokens_computed,
       "without the gate the engine schedules more tokens for the same outputs")

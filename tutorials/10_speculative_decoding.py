@@ -401,9 +401,20 @@ claim(bool(torch.isnan(out_c).all())
 #    token exists: `num_computed_tokens` already counts the slot of the token
 #    in flight (`num_tokens` does not);
 # 2. when a step's tokens arrive, `cache_blocks` caches only up to
-#    `num_computed_tokens - num_output_placeholders`: not the positions of
-#    the steps still in flight, even where their token ids are known, so a
-#    block can be cached a step later than in the synchronous loop;
+#    `num_computed_tokens - num_output_placeholders`
+#    (`vllm/v1/core/sched/async_scheduler.py:70-74`). The first number counts
+#    the input positions of every step scheduled, the second the tokens the
+#    steps in flight will sample; behind a step that returned tokens, those
+#    are decodes, one placeholder per input position, so the difference is
+#    the positions of the steps already processed. A step in flight has
+#    sampled nothing yet, so its outputs have no ids and no block hash; its
+#    input (the token just sampled) has an id, but is left for the next
+#    `allocate_slots` to cache, so a block can be cached a step later than in
+#    the synchronous loop. The rule is not "only written KV": `allocate_slots`
+#    hashes and caches the blocks a step will fill *before* that step runs,
+#    in both loops (`vllm/v1/core/kv_cache_manager.py:450-462`), which is
+#    safe because any step that could hit such a block runs after the step
+#    that writes it;
 # 3. with drafts, the scheduler schedules `k` placeholder drafts (`-1`) and
 #    the runner puts its own drafts in their place (section 2's roll-back then
 #    also takes rejected drafts off the placeholders).
@@ -490,9 +501,11 @@ def first_cached(rows, num_blocks):
 update_1 = next(r for r in async_rows_ if r[0].startswith("update step 1"))
 claim(first_cached(sync_rows, 2) == "schedule step 2"
       and first_cached(async_rows_, 2) == "schedule step 3" and update_1[2:5] == (8, 1, 8),
-      "block 1 (tokens 4-7) is cached when step 2 is planned in the synchronous loop, a "
-      "step later in the asynchronous one: when token 7 arrives, 8 computed - 1 "
-      "placeholder = 7 tokens have their KV written, so the block waits")
+      "block 1 (tokens 4-7) is cached when step 2 is planned in the synchronous loop, "
+      "before step 2 writes token 7's KV; a step later in the asynchronous one: when "
+      "token 7 arrives, 8 computed - 1 placeholder = 7 positions of processed steps "
+      "(token 7 is the input of step 2, in flight), so the block waits for the next "
+      "allocate_slots")
 num_scheduled = sum(1 for r in async_rows_ if r[0].startswith("schedule") and "token" in r[0])
 claim(num_scheduled == 5,
       "5 steps with tokens: the step that would make a 6th token is never scheduled "
@@ -503,11 +516,23 @@ claim(async_req.output_token_ids == sync_req.output_token_ids
 
 # %% [markdown]
 # With two drafts a step, the async scheduler schedules `[-1, -1]` after every
-# decode: it cannot know the drafts, which the runner computes from the token
-# it is sampling right now. The runner fills them in; the rejected ones come
-# off both `num_computed_tokens` and the placeholders when the step returns.
-# A real model, asynchronously scheduled, with and without drafts, generates
-# exactly section 2b's tokens.
+# decode (`async_scheduler.py:16, 42-44`): it cannot know the drafts, which
+# the runner computes from the token it is sampling right now. The runner
+# fills them in; the rejected ones come off both `num_computed_tokens` and
+# the placeholders when the step returns.
+#
+# **Not a configuration vLLM runs.** vLLM 0.25.1 refuses
+# `async_scheduling=True` with the CPU n-gram proposer (`method: "ngram"`):
+# `VllmConfig` raises a `ValueError` unless the drafts come from EAGLE/MTP, a
+# draft model, `ngram_gpu` (n-gram matching on the GPU) or DSpark
+# (`vllm/config/vllm.py:961-981`); with `async_scheduling` left unset it
+# turns async scheduling off, with a warning (`:1004-1015`). kvref has only
+# the CPU n-gram proposer, and its `LLM` accepts the pairing; it stands in
+# here for one of the GPU drafters, whose scheduler side is the same: the
+# `-1` placeholders above, filled in by the worker. So the claims below show
+# what vLLM's `AsyncScheduler` does with drafts, not a setting to try on
+# vLLM. A real model on kvref, asynchronously scheduled, with and without
+# n-gram drafts, generates exactly section 2b's tokens.
 
 # %%
 spec_rows, spec_req, spec_runner = async_rows(True, k=2)
@@ -527,8 +552,8 @@ for engine in (async_plain, async_spec):
 got_plain = [o.outputs[0].token_ids for o in async_plain.generate(prompts, params)]
 got_spec = [o.outputs[0].token_ids for o in async_spec.generate(prompts, params)]
 claim(got_plain == expected and got_spec == expected,
-      "LLM(async_scheduling=True), with n-gram drafts or without, generates section "
-      "2b's 80 tokens")
+      "kvref's LLM(async_scheduling=True), with n-gram drafts (refused by vLLM 0.25.1) or "
+      "without, generates section 2b's 80 tokens")
 
 # %%
 finish()

@@ -24,8 +24,12 @@
 # its KV exists, keeps them out of the prefix cache while they fill
 # (`delay_cache_blocks`), admits such a load only if the prefills already
 # running can still finish (`reserved_blocks`), and computes only each
-# prompt's last token. When the prefill engine dies mid-transfer, the decode
-# engine recomputes what never arrived.
+# prompt's last token. When the prefill engine dies mid-transfer, what the
+# decode engine does depends on `kv_load_failure_policy`. vLLM's default is
+# `"fail"` (`vllm/config/kv_transfer.py:69`, kvref's too): each request that
+# lost a block finishes with `finish_reason` `"error"` and no tokens. With
+# `"recompute"`, set on purpose in this lesson, it recomputes what never
+# arrived and generates as if nothing had failed. Both are run below.
 #
 # Run: `python tutorials/13_disaggregated_prefill.py` (CPU; a few seconds).
 
@@ -127,6 +131,16 @@ claim(decode.kv_cache_manager.get_computed_blocks(probe)[1] == 0,
 # `schedule()` caches its blocks (now a prefix hit for others) and admits it
 # with `num_computed_tokens = prompt - 1`: the last prompt token is computed
 # again, because its logits give the first output token.
+#
+# Which blocks cross is the connector's choice. kvref's `P2pConnector` has
+# the prefill engine *push* every prompt block; the decode engine drops the
+# ones its own prefix cache already holds. vLLM's `NixlConnector` (an alias
+# of `NixlPullConnector`, `nixl/connector.py:12`) has the decode engine
+# *pull*, and only what it lacks: it asks for the prompt beyond its local
+# hit (`nixl/pull_scheduler.py:60-66`) and reads remote KV into its blocks
+# that have no hash, the ones allocated for the external tokens
+# (`:153-167`). Here the decode engine's cache starts empty, so both move
+# every block.
 
 # %%
 section("The loads land")
@@ -142,15 +156,20 @@ claim(decode.stats.prompt_tokens_external == sum(len(p) - 1 for p in prompts),
       f"the other {decode.stats.prompt_tokens_external} came from the prefill engine")
 claim(decode.model_runner.kv_connector.num_blocks_received == sum(cdiv(len(p), 4)
                                                                   for p in prompts),
-      "every prompt block crossed between the processes, one message each")
+      "every prompt block crossed between the processes, one message each "
+      "(none was in the decode engine's prefix cache)")
 claim(prefill.exitcode == 0, "the prefill engine freed its blocks once sent, and exited")
 
 # %% [markdown]
 # ## Reserved blocks: a load may not starve the prefills in flight
 #
-# An asynchronous load holds its blocks for the whole transfer and makes no
-# progress meanwhile, so vLLM admits one only if the pool still has room for
-# what the admitted-but-unfinished prefills will allocate. The scheduler sums
+# An asynchronous load holds its blocks for the whole transfer, makes no
+# progress meanwhile, and cannot be preempted (it is not running), so vLLM
+# admits one only if the pool still has room for what the
+# admitted-but-unfinished prefills will allocate: otherwise those prefills
+# would preempt each other for blocks the load sits on, predictably, and when
+# loads hold enough of the pool nothing could finish, a deadlock
+# (`vllm/v1/core/sched/scheduler.py:897-901`). The scheduler sums
 # that (`_inflight_prefill_reserved_blocks`) and passes it to
 # `allocate_slots(..., reserved_blocks=...)`. On a bare manager of 8 blocks:
 
@@ -184,28 +203,48 @@ claim(admitted is not None and len(manager.get_blocks("load").blocks[0]) == 4,
 
 # %%
 section("Killing the prefill engine mid-transfer")
-port = free_port()
-prefill = start_prefill_engine(port, stall_after_blocks=3)
-decode = decode_engine(port, "recompute")
-worker = decode.model_runner.kv_connector
-outputs = {}
-deadline = time.monotonic() + 60
-while worker.num_blocks_received < 3 and time.monotonic() < deadline:
-    decode.step()
-    time.sleep(0.002)
-claim(bool(decode.scheduler.skipped_waiting), "3 blocks arrived, the rest are still awaited")
-prefill.kill()
-prefill.join(30)
-run_to_end(decode, outputs)
-claim([outputs[str(i)].outputs[0].token_ids for i in range(len(prompts))] == reference,
+
+
+def kill_mid_transfer(policy):
+    """Decode with ``policy`` while the prefill engine stalls after 3 blocks and is killed."""
+    port = free_port()
+    prefill = start_prefill_engine(port, stall_after_blocks=3)
+    decode = decode_engine(port, policy)
+    worker = decode.model_runner.kv_connector
+    outputs = {}
+    deadline = time.monotonic() + 60
+    while worker.num_blocks_received < 3 and time.monotonic() < deadline:
+        outputs.update((o.request_id, o) for o in decode.step())
+        time.sleep(0.002)
+    claim(bool(decode.scheduler.skipped_waiting),
+          f'{policy}: 3 blocks arrived, the rest are still awaited')
+    prefill.kill()
+    prefill.join(30)
+    run_to_end(decode, outputs)
+    pool = decode.kv_cache_manager.block_pool
+    claim(not decode.scheduler.requests and pool.get_num_free_blocks() == 40 - 1,
+          f"{policy}: no block leaked, all 39 are free again")
+    return decode, [outputs[str(i)].outputs[0] for i in range(len(prompts))]
+
+
+decode, got = kill_mid_transfer("recompute")
+claim([c.token_ids for c in got] == reference,
       "after the kill, the same tokens: the missing blocks were recomputed")
 claim(decode.stats.num_kv_load_failures == len(prompts) and
       decode.stats.prompt_tokens_external == 3 * 4,
       "every request lost blocks; request 0 kept the 3 that landed (12 tokens)")
-pool = decode.kv_cache_manager.block_pool
-claim(not decode.scheduler.requests and pool.get_num_free_blocks() == 40 - 1,
-      "no block leaked: all 39 are free again")
-show('With kv_load_failure_policy="fail" (vLLM\'s default) the same requests would '
-     'finish with finish_reason "error" instead (tests/engine/test_disaggregated_prefill.py).')
+
+# %% [markdown]
+# The same kill under `"fail"`, vLLM's default: the scheduler finishes every
+# request that lost a block with `FINISHED_ERROR` in the step that reports
+# the failure, and frees its blocks. The client gets `finish_reason`
+# `"error"` and no token.
+
+# %%
+decode, got = kill_mid_transfer("fail")
+claim(decode.stats.num_kv_load_failures == len(prompts)
+      and [c.finish_reason for c in got] == ["error"] * len(prompts)
+      and all(c.token_ids == [] for c in got),
+      'under "fail" every request that lost blocks finishes with "error" and no token')
 
 finish()

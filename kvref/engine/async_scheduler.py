@@ -16,15 +16,27 @@ next one, so it counts the tokens a step in flight will produce as
   request whose in-flight steps already reach ``max_tokens``;
 * when a step's tokens arrive, ``num_output_placeholders -= tokens kept``
   (rejected drafts were taken off first) and the manager caches the request's
-  full blocks only up to ``num_computed_tokens - num_output_placeholders``:
-  the tokens of the steps still in flight have slots but no known ids, so
-  no block hash yet. A request preempted meanwhile is not cached.
+  full blocks only up to ``num_computed_tokens - num_output_placeholders``
+  (vLLM's ``async_scheduler.py:70-74``). Why that count: ``num_computed_tokens``
+  counts the input positions of every step scheduled, the placeholders the
+  tokens the steps in flight will sample; a step that returns tokens was
+  the prompt's last chunk or a decode, so the steps behind it are decodes,
+  one placeholder per input position (drafts included), and the difference
+  is the positions of the steps already processed. The outputs of a step in flight have no ids yet, hence no block
+  hash; its input (the token just sampled) has one but is left to the next
+  ``allocate_slots``, so a block is cached a step later than in the
+  synchronous loop. It is not a rule of "written KV only": ``allocate_slots``
+  hashes and caches the blocks a step will fill before the step runs, in both
+  loops (vLLM's ``kv_cache_manager.py:458-462``), which is safe because any
+  step that can hit such a block runs after the step that writes it. A
+  request preempted meanwhile is not cached.
 
 What the KV cache manager sees differently: ``allocate_slots`` for a decode
 step is called one step early (``num_computed_tokens`` already counts the
 in-flight token), and ``cache_blocks`` is called from ``update_from_output``
 as well as from ``allocate_slots`` (which caches only up to the tokens it
-knows). Lesson 10's async section walks through one request.
+knows, ``request.num_tokens``). Lesson 10's async section walks through one
+request.
 """
 
 from __future__ import annotations
@@ -67,7 +79,7 @@ class AsyncScheduler(Scheduler):
         request.num_output_placeholders -= len(new_token_ids)
         assert request.num_output_placeholders >= 0, request.request_id
         if status_before == RequestStatus.RUNNING:
-            # Only the tokens whose ids are known can be hashed and cached.
+            # Up to the positions of the steps already processed (module docstring).
             self.kv_cache_manager.cache_blocks(
                 request, request.num_computed_tokens - request.num_output_placeholders)
         return new_token_ids, stopped

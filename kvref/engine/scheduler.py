@@ -42,7 +42,9 @@ with the second::
          resumed request prompt and outputs so far) do not fit now, so a
          long prompt is not prefilled part way and then preempted; and the
          manager's watermark keeps a share of the pool free for requests
-         already running. With k-token speculation, a request left with one
+         already running. With k-token speculation (and no per-batch-size
+         draft count: vLLM pads only when its dynamic_sd_lookup is None,
+         which kvref never sets), a request left with one
          token to compute while the batch is all decodes is padded to 1 + k
          tokens with -1 drafts; if 1 + k does not fit the budget or
          max_model_len, admission stops.
@@ -284,7 +286,8 @@ class Scheduler:
         self.skipped_waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         # Requests admitted and still prefilling, or loading KV asynchronously: the
-        # blocks they will still take are kept from a new asynchronous load.
+        # blocks they will still take are kept from a new asynchronous load
+        # (``reserved_blocks``; why: ``_inflight_prefill_reserved_blocks``).
         self._inflight_prefills: set[EngineRequest] = set()
 
         # KV connector (vLLM's KVTransfer), scheduler side.
@@ -315,9 +318,19 @@ class Scheduler:
         self.kv_event_batches: list[list] = []
         self.kv_connector_stats = None
 
-        # Deferred frees (vLLM's fence): steps scheduled and steps processed,
-        # counted over steps that schedule tokens, and the blocks waiting for a
-        # step to be processed, as (step the blocks wait for, blocks).
+        # Deferred frees (vLLM's fence, scheduler.py:146-152). Why: with more than
+        # one batch in flight, a step still running may write the KV blocks of a
+        # request freed meanwhile (aborted, preempted, failed). Handed to another
+        # request, a block is normally written only by a later step, which the
+        # device runs after the earlier one; but a consumer connector fills the
+        # blocks of a new request by a load outside the step stream, not ordered
+        # against that write, so the stale write could land on the loaded KV.
+        # vLLM defers whenever max_concurrent_batches > 1 (async scheduling, or
+        # pipeline parallelism: config/vllm.py:492-502, which kvref does not model)
+        # and the role consumes (kv_consumer or kv_both: config/kv_transfer.py:12).
+        # Counted: steps scheduled and steps processed, over steps that schedule
+        # tokens, and the blocks waiting for a step to be processed, as (step the
+        # blocks wait for, blocks).
         self.kv_consumer = kv_consumer or (kv_transfer_config is not None
                                            and kv_transfer_config.is_kv_consumer)
         self.defer_block_free = self.kv_consumer and self.max_concurrent_batches > 1
@@ -845,7 +858,11 @@ class Scheduler:
     def _free_request_blocks(self, request: EngineRequest) -> None:
         """Give a request's blocks back, or, when a step still in flight may write
         them and a KV consumer could refill them, park them until that step is
-        processed (``pop_blocks_for_free`` takes them off the request now)."""
+        processed (``pop_blocks_for_free`` takes them off the request now).
+
+        Why: a KV consumer's load into a reused block is not ordered against the
+        in-flight step's write to it (see ``defer_block_free`` in ``__init__``;
+        vLLM's ``scheduler.py:146-152, 2130-2143``)."""
         if not self.defer_block_free or request.last_sched_seq <= self.processed_step_seq:
             self.kv_cache_manager.free(request)
             return
@@ -893,7 +910,18 @@ class Scheduler:
             num_tokens_main_model=num_tokens, apply_admission_cap=True)
 
     def _inflight_prefill_reserved_blocks(self) -> int:
-        """What the admitted-but-unfinished prefills (and loads) will still allocate."""
+        """What the admitted-but-unfinished prefills (and loads) will still allocate.
+
+        Passed as ``allocate_slots(..., reserved_blocks=...)`` for an asynchronous
+        load only. Why (vLLM's ``scheduler.py:897-901``): a load holds all its
+        blocks for the whole transfer and makes no progress meanwhile, and it is
+        not preemptible (it is not in ``running``, where victims are taken). If it
+        took blocks a running prefill still needs, that prefill would preempt
+        running requests, or itself, to get them: preemptions one could predict
+        at admission, and, when loads hold enough of the pool, a state where no
+        running request can finish and no load lets go, a deadlock. So a load is
+        admitted only if it fits in the free blocks minus this reservation.
+        """
         return sum(self._request_remaining_blocks(r) for r in self._inflight_prefills)
 
     def _try_promote_blocked_waiting_request(self, request: EngineRequest) -> bool:
