@@ -237,3 +237,19 @@ def execute_with_connector(connector: KVConnectorBase_V1 | None, scheduler_outpu
         invalid_block_ids=connector.get_block_ids_with_load_errors())
     connector.clear_connector_metadata()
     return output
+
+
+class SupportsHMA(ABC):
+    """Marks a connector that works with the hybrid KV cache manager (several KV
+    cache groups): vLLM keeps the groups for it and, when a request ends, calls
+    ``request_finished_all_groups`` with every group's block ids
+    (``vllm/distributed/kv_transfer/kv_connector/v1/base.py:85-115``)."""
+
+    @abstractmethod
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict | None]:
+        """Once, when ``request`` ends in every group, before its blocks are freed.
+
+        Returns ``(hold, kv_transfer_params)``: ``hold`` keeps the blocks of every
+        group until ``get_finished`` reports the request as sent.
+        """
