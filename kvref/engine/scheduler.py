@@ -281,6 +281,8 @@ class Scheduler:
                 kv_transfer_config, KVConnectorRole.SCHEDULER, kv_cache_manager.kv_cache_config)
             self.recompute_kv_load_failures = \
                 kv_transfer_config.kv_load_failure_policy == "recompute"
+            # Once, now that the manager exists (vLLM builds it after the connector).
+            self.connector.bind_gpu_block_pool(kv_cache_manager.block_pool)
         # Tokens asked of the connector beyond the local hit, and those it had.
         self.connector_prefix_cache_stats = PrefixCacheStats() if self.connector else None
         self.finished_recving_kv_req_ids: set[str] = set()

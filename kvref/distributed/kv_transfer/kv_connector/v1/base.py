@@ -179,6 +179,11 @@ class KVConnectorBase_V1(ABC):
 
     # -- scheduler side ----------------------------------------------------------
 
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        """The engine's ``BlockPool``, handed over once, after the scheduler built
+        its KV cache manager (``scheduler.py:278-280``); a connector that tracks
+        per-block state keeps it. Does nothing by default."""
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
