@@ -59,6 +59,16 @@ class KVConnectorMetadata:  # noqa: B903 - a marker base, as in vLLM
     """What the scheduler half tells the worker half for one step (subclassed per connector)."""
 
 
+class KVConnectorWorkerMetadata(ABC):
+    """What a worker half tells the scheduler half for one step, beyond the request
+    ids (subclassed per connector); the workers' reports of one step are merged
+    with ``aggregate`` (``vllm/distributed/kv_transfer/kv_connector/v1/base.py:150-168``)."""
+
+    @abstractmethod
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """This report merged with another worker's."""
+
+
 @dataclass
 class KVConnectorStats:
     """What a connector's worker half moved (kvref's counters; vLLM's connectors
@@ -78,15 +88,18 @@ class KVConnectorOutput:
     ``finished_sending``: requests whose held blocks may now be freed.
     ``finished_recving``: requests whose asynchronous load ended (landed or failed).
     ``invalid_block_ids``: blocks whose load failed; requests holding them
-    recompute from the first one.
+    recompute from the first one. ``kv_connector_worker_meta``: the connector's
+    own report (``build_connector_worker_meta``), or None.
     """
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_worker_meta: KVConnectorWorkerMetadata | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.kv_connector_worker_meta)
 
 
 class KVConnectorBase_V1(ABC):
@@ -99,7 +112,7 @@ class KVConnectorBase_V1(ABC):
     """
 
     def __init__(self, kv_transfer_config, role: KVConnectorRole, kv_cache_config) -> None:
-        if len(kv_cache_config.kv_cache_groups) != 1:
+        if len(kv_cache_config.kv_cache_groups) != 1 and not isinstance(self, SupportsHMA):
             raise ValueError(
                 f"{type(self).__name__} supports one KV cache group, got "
                 f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model: vLLM also needs "
@@ -167,6 +180,11 @@ class KVConnectorBase_V1(ABC):
         last step (a producer starts or keeps sending for those).
         """
         return None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's report for the scheduler half, asked after ``get_finished``
+        (``vllm/v1/worker/kv_connector_model_runner_mixin.py:109``); None by default."""
+        return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed, reported no later than the step in which
@@ -239,7 +257,8 @@ def execute_with_connector(connector: KVConnectorBase_V1 | None, scheduler_outpu
     sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
     output.kv_connector_output = KVConnectorOutput(
         finished_sending=sending, finished_recving=recving,
-        invalid_block_ids=connector.get_block_ids_with_load_errors())
+        invalid_block_ids=connector.get_block_ids_with_load_errors(),
+        kv_connector_worker_meta=connector.build_connector_worker_meta())
     connector.clear_connector_metadata()
     return output
 
