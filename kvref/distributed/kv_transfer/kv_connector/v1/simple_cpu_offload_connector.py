@@ -431,6 +431,13 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_stores(self) -> bool:
         return bool(self._store_event_to_blocks)
 
+    def gpu_blocks_held(self) -> list[list]:
+        """The device blocks the tier holds a reference on (kvref's, for invariant
+        checks): one list per store in flight and per load."""
+        blocks = self._gpu_block_pool.blocks if self._gpu_block_pool else []
+        return [[blocks[i] for i in ids] for ids, _ in self._store_event_to_blocks.values()] \
+            + [[blocks[i] for i in load.gpu_block_ids] for load in self._reqs_to_load.values()]
+
     def request_finished(self, request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Never holds the blocks: stores and loads in flight hold refs of their own."""
