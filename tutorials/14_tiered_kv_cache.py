@@ -130,8 +130,9 @@ claim(0 < rate < 1, "the tier served part, not all, of what the device cache mis
 # step (`num_computed_tokens - num_output_placeholders` when the step is
 # planned, whole blocks). The copy is launched by the worker after the step's
 # forward, and the host block becomes a hit only when every worker has
-# reported the copy done, which a worker finds at a later poll. Follow one
-# 14-token prompt (three full blocks) decoding three tokens, on a fresh tier:
+# reported the copy done, at the poll that finds it so (kvref's worker: the
+# next step's). Follow one 14-token prompt (three full blocks) decoding three
+# tokens, on a fresh tier:
 
 # %%
 section("One request's blocks on their way to the host")
@@ -191,10 +192,11 @@ claim(lazy.stats.prompt_tokens_computed < plain.stats.prompt_tokens_computed,
 # The tier's loads are asynchronous: in the step that finds the hit, the
 # request gets its blocks (uncached, `delay_cache_blocks`) and waits in
 # `WAITING_FOR_REMOTE_KVS`; the worker launches the host-to-device copy after
-# that step's forward and finds it done at a later poll (the next step at the
-# earliest), which reports the request in `finished_recving`; the step after
-# caches its blocks and schedules the rest of the prompt. So a hit costs at
-# least two steps of latency, and the bytes move instead of the FLOPs.
+# that step's forward and reports the request in `finished_recving` at the
+# poll that finds the copy done (kvref: the next step's; vLLM: usually a later
+# step's); the step after caches its blocks and schedules the rest of the
+# prompt. So here a hit costs two steps of waiting, and the bytes move instead
+# of the FLOPs.
 
 # %%
 section("Loads in flight")

@@ -11,21 +11,22 @@ Eager mode (the default) stores every block a request has **confirmed**:
 ``num_computed_tokens - num_output_placeholders``, whole blocks
 (``manager.py:539-547, 594-599``), so the blocks a step computes are stored by
 the next step's plan, and a request that finishes in the step that fills its
-last block may never store it. One step, seen from the scheduler::
+last block may never store it. A 14-token prompt, block size 4::
 
-    step t   build_connector_meta: store plan (device blocks -> new host blocks,
-             both pinned: the device block by a ref, the host block unhashed-in-map)
-             get_finished (worker, after the forward): the copies are launched
-    step t+1 get_finished: the store's event is found done, reported in
-             kv_connector_worker_meta; update_connector_output: every worker
-             reported it -> the host blocks enter the cache map (hittable),
-             both pins drop (manager.py:683-760)
+    step 0  computes tokens 0-13; plan: nothing (0 tokens confirmed)
+    step 1  plan: blocks 0-2 (12 of 14 confirmed) -> 3 new host blocks; the
+            device blocks get a ref, the host blocks their hashes but no entry
+            in the cache map; the worker launches the copy after the forward
+    step 2  the worker finds it done (kv_connector_worker_meta); every worker
+            reported it -> update_connector_output puts the host blocks in the
+            cache map (hittable) and drops both holds (manager.py:683-760)
 
 A hit (``get_num_new_matched_tokens``) is always asynchronous: the request
 waits in ``WAITING_FOR_REMOTE_KVS``; its load is launched in that step's
 ``get_finished`` and reported in ``finished_recving`` when the worker finds it
-done, a step later at the earliest (the copy thread records the event after
-the launch returns: ``copy_backend.py:82-130``, ``worker.py:224-267``).
+done at a poll (``worker.py:224-267``); a copy thread records the event after
+the launch has returned (``copy_backend.py:82-130``), so that is usually a
+later step's poll.
 ``save_kv_layer``, ``start_load_kv`` and the waits do nothing
 (``simple_cpu_offload_connector.py:143-159``).
 
@@ -37,14 +38,16 @@ blocks nearest eviction, up to a target of free-or-offloaded blocks
 ``kv_connector_extra_config`` (vLLM's keys): ``cpu_bytes_to_use`` (default
 8 GiB, over all ranks), ``cpu_bytes_to_use_per_rank`` (overrides it),
 ``lazy_offload`` (default False). Host blocks:
-``max(1, num_gpu_blocks * bytes // gpu_bytes)`` (``manager.py:201-202``).
+``max(1, num_gpu_blocks * bytes // gpu_bytes)`` (``manager.py:201-202``). The
+8 GiB default is vLLM's; with kvref's small models it is millions of host
+blocks, so give a size.
 
 Where kvref differs from vLLM's:
 
 * The copies are plain tensor copies done when launched (in ``get_finished``);
-  the worker reports an event done at its next poll, the earliest a vLLM
-  worker can find it (a vLLM copy may take longer: a later poll). Tests that
-  need other timings override ``_copy_latency``.
+  the worker reports an event done at its next poll (vLLM's, a real copy, at
+  whichever poll finds it done: rarely the launching one, maybe a later one).
+  Tests that need other timings override ``_copy_latency``.
 * kvref's connectors are built without the engine's config: the lazy target
   needs ``max_num_batched_tokens`` (vLLM reads ``scheduler_config``,
   ``manager.py:158-162``), so in lazy mode it is a kvref-only key of
@@ -52,10 +55,20 @@ Where kvref differs from vLLM's:
   reports a store needs, ``manager.py:179``) is a kvref-only key, default 1.
   Prefix caching is always on in kvref, so the tier is never disabled
   (``simple_cpu_offload_connector.py:82-87``).
-* ``reset_cache`` (``manager.py:883-921``), kv-cache events and the
-  preemption flush (``worker.py:279-297``; kvref's copies never stay in
-  flight on the device) are not modelled. vLLM's tier never reports a failed
-  load; kvref's reports none either (a test connector may).
+* vLLM's worker sizes its host tensors itself (``worker.py:141-146``);
+  kvref's worker half uses the scheduler half's count (the same for one
+  tensor per layer).
+* ``reset_cache`` (``manager.py:883-921``), the host pool's KV cache events,
+  the connector's metrics and the preemption flush (``need_flush`` is planned,
+  ``worker.py:279-297`` is not run: kvref's copies are never in flight on a
+  device) are not modelled. vLLM's tier never reports a failed load; kvref's
+  reports none either (a test connector may).
+
+Checked against vLLM: ``tools/record_vllm_offload.py`` drives vLLM's own
+scheduler and worker halves over seeded workloads (eager and lazy, one group
+and hybrid, synchronous and asynchronous scheduling);
+``tests/distributed/test_offload_vs_vllm.py`` requires kvref's plans to equal
+them step by step.
 """
 
 from __future__ import annotations
@@ -165,8 +178,11 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                 for g in groups)
         self.cpu_kv_cache_config = host_kv_cache_config(kv_cache_config, cpu_bytes)
         self.num_cpu_blocks = self.cpu_kv_cache_config.num_blocks
-        self._init_scheduler_side(extra)
-        self._init_worker_side()
+        # Each half builds only its own state, as vLLM's (``:98-116``).
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler_side(extra)
+        else:
+            self._init_worker_side()
 
     # -- scheduler side ----------------------------------------------------------
 
