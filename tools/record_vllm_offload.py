@@ -13,7 +13,7 @@ what the worker reported done, and both pools' free counts.
 kvref's tier without vLLM and requires the same records.
 
     /root/.cache/vllm-oracle/bin/python tools/record_vllm_offload.py \\
-        tests/distributed/vllm_offload_traces.json.gz --runs 48
+        tests/distributed/vllm_offload_traces.json.gz --runs 64
 """
 
 from __future__ import annotations
@@ -38,15 +38,18 @@ def load_driver():
 
 
 class Clock:
-    polls = 0
+    """One worker's polls so far."""
+
+    def __init__(self) -> None:
+        self.polls = 0
 
 
 class ClockEvent:
-    def __init__(self, ready: int) -> None:
-        self.ready = ready
+    def __init__(self, clock: Clock, ready: int) -> None:
+        self.clock, self.ready = clock, ready
 
     def query(self) -> bool:
-        return Clock.polls >= self.ready
+        return self.clock.polls >= self.ready
 
     def record(self, stream=None) -> None:
         pass
@@ -55,26 +58,27 @@ class ClockEvent:
 class ClockCopyBackend:
     """vLLM's DmaCopyBackend.launch_copy's contract, copying nothing."""
 
-    def __init__(self, latency) -> None:
-        self.latency = latency
+    def __init__(self, clock: Clock, latency) -> None:
+        self.clock, self.latency = clock, latency
 
     def launch_copy(self, src_blocks, dst_blocks, is_store, event_idx, events_list,
                     wait_event=None) -> None:
         kind = "store" if is_store else "load"
-        events_list.append((event_idx, ClockEvent(Clock.polls + self.latency(kind, event_idx))))
+        ready = self.clock.polls + self.latency(kind, event_idx)
+        events_list.append((event_idx, ClockEvent(self.clock, ready)))
 
 
 class CountingWorker:
     """Advances the clock once per get_finished, then asks vLLM's worker."""
 
-    def __init__(self, worker) -> None:
-        self.worker = worker
+    def __init__(self, worker, clock: Clock) -> None:
+        self.worker, self.clock = worker, clock
 
     def __getattr__(self, name):
         return getattr(self.worker, name)
 
     def get_finished(self, finished_req_ids):
-        Clock.polls += 1
+        self.clock.polls += 1
         return self.worker.get_finished(finished_req_ids)
 
 
@@ -93,7 +97,6 @@ def vllm_backend(workload: dict, driver) -> SimpleNamespace:
     from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
     torch.cuda.current_stream = lambda *args, **kwargs: None    # the stores' wait, on CPU
-    Clock.polls = 0
     bs = workload["block_size"]
     attn = dict(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float32)
     specs = [FullAttentionSpec(**attn) if kind == "full" else
@@ -110,7 +113,8 @@ def vllm_backend(workload: dict, driver) -> SimpleNamespace:
     vllm_config = SimpleNamespace(
         kv_events_config=None,
         parallel_config=SimpleNamespace(decode_context_parallel_size=1,
-                                        prefill_context_parallel_size=1, world_size=1),
+                                        prefill_context_parallel_size=1,
+                                        world_size=workload["world_size"]),
         model_config=SimpleNamespace(max_model_len=512),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=workload["token_budget"]))
     cpu_bytes = workload["num_cpu_blocks"] * page
@@ -119,11 +123,14 @@ def vllm_backend(workload: dict, driver) -> SimpleNamespace:
     tier = SimpleCPUOffloadScheduler(vllm_config, config, cpu_bytes, scheduler_block_size=bs,
                                      hash_block_size=bs, lazy_offload=workload["lazy"])
     tier.bind_gpu_block_pool(manager.block_pool)
-    worker = SimpleCPUOffloadWorker(vllm_config, config, cpu_bytes)
-    latencies = workload["latencies"]
-    worker._backend = ClockCopyBackend(
-        lambda kind, event: latencies[(2 * event + (kind == "store")) % len(latencies)])
-    worker._store_compute_done = ClockEvent(0)
+    workers = []
+    for rank in range(workload["world_size"]):
+        worker = SimpleCPUOffloadWorker(vllm_config, config, cpu_bytes)
+        clock = Clock()
+        worker._backend = ClockCopyBackend(
+            clock, lambda kind, event, rank=rank: driver.latency(workload, rank, kind, event))
+        worker._store_compute_done = ClockEvent(clock, 0)
+        workers.append(CountingWorker(worker, clock))
     init_none_hash(sha256)
     hasher = get_request_block_hasher(bs, sha256)
 
@@ -135,22 +142,22 @@ def vllm_backend(workload: dict, driver) -> SimpleNamespace:
         return KVConnectorOutput(finished_recving=recving,
                                  kv_connector_worker_meta=worker_meta)
 
-    return SimpleNamespace(manager=manager, scheduler_half=tier,
-                           worker_half=CountingWorker(worker), request=request,
-                           output=output)
+    return SimpleNamespace(manager=manager, scheduler_half=tier, workers=workers,
+                           request=request, output=output)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--runs", type=int, default=48, help="workloads: eager/lazy, sync/async, one group/hybrid")
+    parser.add_argument("--runs", type=int, default=64, help="workloads: eager/lazy, sync/async, one group/hybrid")
     args = parser.parse_args(argv)
     driver = load_driver()
     runs = []
     for seed in range(args.runs):
         workload = driver.draw_workload(seed, lazy=seed % 2 == 1,
                                         async_scheduling=seed % 4 >= 2,
-                                        hybrid=seed % 8 >= 4)
+                                        hybrid=seed % 8 >= 4,
+                                        world_size=2 if seed % 16 >= 8 else 1)
         try:
             records = driver.Driver(vllm_backend(workload, driver), workload).run()
         except RuntimeError as e:        # the loop's own stall (no reserved blocks): dropped

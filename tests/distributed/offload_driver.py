@@ -8,10 +8,15 @@ This file imports neither: the caller passes a ``backend`` with
 
 * ``manager``: a ``KVCacheManager`` (one group, prefix caching on);
 * ``request(req_id, tokens)``: a request hashing its blocks;
-* ``scheduler_half`` / ``worker_half``: the tier's two halves, the worker's
-  copies finishing ``latency(kind, event)`` polls after their launch;
+* ``scheduler_half`` / ``workers``: the tier's scheduler half and one worker
+  half per rank, worker ``w``'s copies found done ``latency(w, kind, event)``
+  polls after their launch (its own polls);
 * ``output(finished_recving, worker_meta)``: a ``KVConnectorOutput``.
 
+The workers' reports are merged as vLLM's ``KVOutputAggregator`` merges them
+(``vllm/distributed/kv_transfer/kv_connector/utils.py:65-170``): a request is
+in ``finished_recving`` once every worker has reported it, and the store
+reports are summed with ``aggregate``, the first worker's as the accumulator.
 The loop is a plain FCFS scheduler in vLLM's order (running first, then
 waiting; chunked prefill under a token budget; the newest running request
 preempted when blocks run out; an asynchronous load waits, then its blocks
@@ -26,7 +31,14 @@ import random
 from types import SimpleNamespace
 
 
-def draw_workload(seed: int, lazy: bool, async_scheduling: bool, hybrid: bool = False) -> dict:
+def latency(workload: dict, worker: int, kind: str, event: int) -> int:
+    """Polls after its launch at which worker ``worker`` finds a copy done."""
+    table = workload["latencies"]
+    return table[(2 * event + (kind == "store") + 7 * worker) % len(table)]
+
+
+def draw_workload(seed: int, lazy: bool, async_scheduling: bool, hybrid: bool = False,
+                  world_size: int = 1) -> dict:
     """A seeded workload: prompts that share prefixes, arrivals, lengths, latencies.
     ``hybrid``: a full-attention group and a sliding-window one (window 8)."""
     rng = random.Random(seed)
@@ -40,7 +52,7 @@ def draw_workload(seed: int, lazy: bool, async_scheduling: bool, hybrid: bool = 
             prompt = list(rng.choice(requests)["prompt"])
         requests.append(dict(req_id=f"r{i}", prompt=prompt or [1, 2],
                              arrival=rng.randint(0, 30), max_tokens=rng.randint(1, 6)))
-    return dict(seed=seed, lazy=lazy, async_scheduling=async_scheduling,
+    return dict(seed=seed, lazy=lazy, async_scheduling=async_scheduling, world_size=world_size,
                 groups=["full", "sliding"] if hybrid else ["full"], sliding_window=8,
                 block_size=block_size, num_gpu_blocks=rng.randint(8, 14) * (2 if hybrid else 1),
                 num_cpu_blocks=rng.randint(4, 30), token_budget=rng.choice([8, 12, 16]),
@@ -71,6 +83,7 @@ class Driver:
         self.finished_ids: set[str] = set()
         self.landed: set[str] = set()
         self.in_flight = None                # async scheduling: the step not processed yet
+        self.recv_left: dict[str, int] = {}  # workers yet to report a request's load
         self.records: list[dict] = []
 
     # -- scheduling --------------------------------------------------------------
@@ -186,11 +199,22 @@ class Driver:
                 self.state[spec["req_id"]] = dict(req=req, max=spec["max_tokens"], outputs=0)
                 self.waiting.append(req)
         out, meta, hits, preempted = self.schedule(step)
-        worker = self.b.worker_half
-        worker.bind_connector_metadata(meta)
-        _, recving = worker.get_finished(out.finished_req_ids)
-        worker_meta = worker.build_connector_worker_meta()
-        worker.clear_connector_metadata()
+        recving, worker_meta = set(), None
+        for i, worker in enumerate(self.b.workers):
+            worker.bind_connector_metadata(meta)
+            _, done = worker.get_finished(out.finished_req_ids)
+            report = worker.build_connector_worker_meta()
+            worker.clear_connector_metadata()
+            for req_id in sorted(done or ()):
+                left = self.recv_left.pop(req_id, len(self.b.workers)) - 1
+                if left:
+                    self.recv_left[req_id] = left
+                else:
+                    recving.add(req_id)
+            if i == 0 or worker_meta is None:
+                worker_meta = report
+            elif report:
+                worker_meta = worker_meta.aggregate(report)
         record = dict(step=step, hits=hits, preempted=sorted(preempted),
                       scheduled=dict(out.num_scheduled_tokens),
                       load=[meta.load_event, list(meta.load_gpu_blocks),
@@ -198,7 +222,7 @@ class Driver:
                       store=[meta.store_event, list(meta.store_gpu_blocks),
                              list(meta.store_cpu_blocks)],
                       finished_recving=sorted(recving or ()),
-                      stores_done=sorted(worker_meta.completed_store_events)
+                      stores_done=sorted(worker_meta.completed_store_events.items())
                       if worker_meta else [])
         output = self.b.output(SortedSet(recving) if recving else None, worker_meta)
         if self.w["async_scheduling"]:

@@ -27,7 +27,7 @@ from kvref.distributed.kv_transfer.kv_connector.v1 import KVConnectorOutput, KVC
 from kvref.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
     SimpleCPUOffloadConnector)
 
-from .offload_driver import Driver
+from .offload_driver import Driver, latency
 
 TRACES = Path(__file__).with_name("vllm_offload_traces.json.gz")
 
@@ -43,12 +43,14 @@ RUNS = load_runs()
 
 
 class ClockedTier(SimpleCPUOffloadConnector):
-    """kvref's tier whose copies are found done after the workload's latencies."""
+    """kvref's tier whose copies (worker ``rank``'s) are found done after the
+    workload's latencies."""
 
-    latencies: list[int] = [1]
+    workload: dict = {}
+    rank = 0
 
     def _copy_latency(self, kind: str, event: int) -> int:
-        return self.latencies[(2 * event + (kind == "store")) % len(self.latencies)]
+        return latency(self.workload, self.rank, kind, event)
 
 
 def kvref_backend(workload: dict) -> SimpleNamespace:
@@ -70,14 +72,19 @@ def kvref_backend(workload: dict) -> SimpleNamespace:
     transfer = KVTransferConfig(
         kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
         kv_connector_extra_config={
-            "cpu_bytes_to_use": workload["num_cpu_blocks"] * spec.page_size_bytes,
+            "cpu_bytes_to_use": workload["num_cpu_blocks"] * spec.page_size_bytes
+            * workload["world_size"],
+            "world_size": workload["world_size"],
             "lazy_offload": workload["lazy"],
             "max_num_batched_tokens": workload["token_budget"]})
     tier = ClockedTier(transfer, KVConnectorRole.SCHEDULER, config)
     tier.bind_gpu_block_pool(manager.block_pool)
-    worker = ClockedTier(transfer, KVConnectorRole.WORKER, config)
-    worker.latencies = workload["latencies"]
-    worker.register_kv_caches({})             # the plans are compared, not the bytes
+    workers = []
+    for rank in range(workload["world_size"]):
+        worker = ClockedTier(transfer, KVConnectorRole.WORKER, config)
+        worker.workload, worker.rank = workload, rank
+        worker.register_kv_caches({})         # the plans are compared, not the bytes
+        workers.append(worker)
     hasher = get_request_block_hasher(bs, sha256)
 
     def request(req_id, tokens):
@@ -88,7 +95,7 @@ def kvref_backend(workload: dict) -> SimpleNamespace:
     def output(recving, worker_meta):
         return KVConnectorOutput(finished_recving=recving, kv_connector_worker_meta=worker_meta)
 
-    return SimpleNamespace(manager=manager, scheduler_half=tier, worker_half=worker,
+    return SimpleNamespace(manager=manager, scheduler_half=tier, workers=workers,
                            request=request, output=output)
 
 
@@ -100,7 +107,8 @@ def normalise(records: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "seed{seed}-{mode}{sched}".format(
     seed=r["workload"]["seed"], mode="lazy" if r["workload"]["lazy"] else "eager",
     sched="-async" if r["workload"]["async_scheduling"] else "")
-    + ("-hybrid" if len(r["workload"]["groups"]) > 1 else ""))
+    + ("-hybrid" if len(r["workload"]["groups"]) > 1 else "")
+    + ("-2workers" if r["workload"]["world_size"] > 1 else ""))
 def test_kvref_tier_plans_what_vllm_planned(run):
     workload = run["workload"]
     got = normalise(Driver(kvref_backend(workload), workload).run())
@@ -127,5 +135,11 @@ def test_the_recordings_cover_what_the_timing_is_about():
     gaps = set()
     for run in RUNS:
         planned = {s["store"][0]: s["step"] for s in run["records"] if s["store"][0] >= 0}
-        gaps |= {s["step"] - planned[e] for s in run["records"] for e in s["stores_done"]}
+        gaps |= {s["step"] - planned[e] for s in run["records"] for e, _ in s["stores_done"]}
     assert 0 in gaps and max(gaps) >= 2
+    # With two workers, a store reported by one worker in one step and by the
+    # other in a later one (hittable only then).
+    split = [e for run in RUNS if run["workload"]["world_size"] == 2
+             for e in {e for s in run["records"] for e, n in s["stores_done"] if n == 1}
+             if sum(n for s in run["records"] for e2, n in s["stores_done"] if e2 == e) == 2]
+    assert split
