@@ -15,7 +15,7 @@ from kvref import RequestStatus
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.engine import LLM, SamplingParams
 
-from .hf_models import llama
+from .hf_models import hybrid, llama
 from .test_llm import shared_prefix_prompts
 
 BLOCK = 4
@@ -124,6 +124,24 @@ def test_evicted_blocks_come_back_from_the_cpu_tier(model, prompts, reference,
     assert 0 < llm.stats.prompt_tokens_external <= hits.hits + hits.preempted_hits
     assert worker.stats.bytes_loaded == worker.stats.num_loaded_blocks * \
         llm.scheduler.connector._block_bytes
+    assert_all_blocks_free(llm)
+
+
+def test_a_hybrid_model_runs_through_the_cpu_tier_token_equal(prompts):
+    """Full-attention and sliding-window groups: the tier (SupportsHMA) stores and
+    loads both groups' blocks; the tokens are those of the engine without it."""
+    model = hybrid()
+    plain = LLM(model, num_gpu_blocks=60, **OPTIONS)
+    groups = plain.kv_cache_config.kv_cache_groups
+    assert len(groups) == 2
+    want = tokens(plain.generate(prompts + prompts, PARAMS))
+    block_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    config = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"cpu_bytes_to_use": 64 * block_bytes})
+    llm = connected_llm(model, config, num_gpu_blocks=30)
+    assert tokens(llm.generate(prompts + prompts, PARAMS)) == want
+    assert llm.stats.prompt_tokens_external > 0
+    assert llm.model_runner.kv_connector.stats.num_loaded_blocks > 0
     assert_all_blocks_free(llm)
 
 
