@@ -142,9 +142,13 @@ def test_lazy_mode_offloads_the_cached_blocks_nearest_eviction():
     assert hittable(engine) == 3
 
 
-def test_lazy_mode_needs_the_step_budget():
+def test_bad_settings_fail_with_one_clear_line():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         MiniEngine(offload(8, lazy_offload=True))
+    with pytest.raises(ValueError, match="positive size, got 0 bytes"):
+        MiniEngine(offload(0))
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        MiniEngine(offload(8, world_size=0))
 
 
 def test_the_host_pool_size_follows_vllms_keys():

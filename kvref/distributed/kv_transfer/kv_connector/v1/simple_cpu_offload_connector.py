@@ -168,10 +168,15 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(kv_transfer_config, role, kv_cache_config)
         extra = kv_transfer_config.kv_connector_extra_config or {}
         self.world_size = int(extra.get("world_size", 1))
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         cpu_bytes = int(extra.get("cpu_bytes_to_use", DEFAULT_CPU_CAPACITY_BYTES)
                         ) // self.world_size
         if "cpu_bytes_to_use_per_rank" in extra:
             cpu_bytes = int(extra["cpu_bytes_to_use_per_rank"])
+        if cpu_bytes <= 0:
+            raise ValueError(f"the CPU offload tier needs a positive size, got {cpu_bytes} "
+                             "bytes per rank (cpu_bytes_to_use / cpu_bytes_to_use_per_rank)")
         self.lazy_offload = bool(extra.get("lazy_offload", False))
         groups = kv_cache_config.kv_cache_groups
         self._block_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
@@ -197,8 +202,12 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             kv_transfer_config=self._kv_transfer_config)
         self.block_size, self.hash_block_size = resolve_kv_cache_block_sizes(config, limits)
         # The first full-attention group finds where a request's external tokens start.
-        self.fa_gidx = next(i for i, g in enumerate(config.kv_cache_groups)
-                            if isinstance(g.kv_cache_spec, FullAttentionSpec))
+        self.fa_gidx = next((i for i, g in enumerate(config.kv_cache_groups)
+                             if isinstance(g.kv_cache_spec, FullAttentionSpec)), None)
+        if self.fa_gidx is None:
+            raise ValueError("the CPU offload tier needs a full-attention KV cache group "
+                             "(vLLM asserts one, manager.py:97-103); got "
+                             f"{[type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups]}")
         self.fa_block_size = config.kv_cache_groups[self.fa_gidx].kv_cache_spec.block_size
         max_batched = extra.get("max_num_batched_tokens")
         if self.lazy_offload and max_batched is None:
