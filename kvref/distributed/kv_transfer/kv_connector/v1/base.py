@@ -32,8 +32,9 @@ in ``finished_recving``. A producer that returns ``True`` from
 ``request_finished`` keeps the request's blocks until ``get_finished`` reports
 it in ``finished_sending``.
 
-kvref's connectors support one KV cache group (vLLM's connectors without
-``SupportsHMA`` require the same: the hybrid allocator is turned off for them).
+A connector without ``SupportsHMA`` supports one KV cache group (vLLM turns
+the hybrid allocator off for those); one with it (the CPU offload tier) takes
+every group's blocks.
 """
 
 from __future__ import annotations
