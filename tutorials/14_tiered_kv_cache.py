@@ -12,11 +12,12 @@
 # # Lesson 14: a tiered KV cache
 #
 # The device pool is small and expensive; host memory is large and cheap.
-# A CPU offload tier (`SimpleCPUOffloadConnector`, vLLM's simple CPU offload
-# connector in its eager mode) copies every block the engine computes to a
-# host slot keyed by its block hash. When the device pool has evicted a
-# prefix, a later prompt finds its blocks on the host and loads them back
-# instead of computing them: an *external hit*, added after the local one.
+# A CPU offload tier (`SimpleCPUOffloadConnector`, timed as vLLM 0.25.1's, in
+# its default eager mode) copies the blocks the engine has computed into a
+# second block pool in host memory, keyed by their block hashes. When the
+# device pool has evicted a prefix, a later prompt finds its blocks on the
+# host and loads them back instead of computing them: an *external hit*,
+# added after the local one.
 #
 # The workload is a multi-turn chat: four conversations, each turn resending
 # the whole history plus a new question. Between one conversation's turns the
@@ -27,6 +28,8 @@
 # Run: `python tutorials/14_tiered_kv_cache.py` (CPU; seconds).
 
 # %%
+from collections import Counter
+
 import torch
 from rich.table import Table
 
@@ -67,16 +70,33 @@ def chat(llm):
 # %% [markdown]
 # ## The same chat, with and without the tier
 
+# %% [markdown]
+# The tier is sized as vLLM sizes it, in bytes (`cpu_bytes_to_use`, 8 GiB
+# unless told); here, 64 blocks' worth (one block of every layer each).
+
 # %%
 section("Device pool alone, then device pool + 64 host blocks")
 plain = LLM(model, **OPTIONS)
 plain_answers = chat(plain)
-config = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-                          kv_connector_extra_config={"num_cpu_blocks": 64})
-tiered = LLM(model, kv_transfer_config=config, **OPTIONS)
+block_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                  for g in plain.kv_cache_config.kv_cache_groups)
+
+
+def tier_config(**extra):
+    return KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                            kv_connector_extra_config={"cpu_bytes_to_use": 64 * block_bytes,
+                                                       **extra})
+
+
+tiered = LLM(model, kv_transfer_config=tier_config(), **OPTIONS)
+claim(tiered.scheduler.connector.num_cpu_blocks == 64, "64 blocks' worth of bytes: 64 host blocks")
 waited = []
 tiered.after_step.append(lambda llm: waited.append(sum(
     r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in llm.scheduler.skipped_waiting)))
+steps_loading = Counter()                 # request -> steps that ended with it loading
+tiered.after_step.append(lambda llm: steps_loading.update(
+    r for r in llm.scheduler.skipped_waiting
+    if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS))
 tiered_answers = chat(tiered)
 claim(tiered_answers == plain_answers, "the tier changes no token")
 
@@ -140,23 +160,94 @@ claim(tiered.stats.prompt_tokens_cached - plain.stats.prompt_tokens_cached
       f"{tiered.stats.prompt_tokens_cached} tokens served by the device cache")
 
 # %% [markdown]
+# ## When a block reaches the host
+#
+# A store copies only blocks whose KV is *confirmed*: computed in an earlier
+# step (`num_computed_tokens - num_output_placeholders` when the step is
+# planned, whole blocks). The copy is launched by the worker after the step's
+# forward, and the host block becomes a hit only when every worker has
+# reported the copy done, at the poll that finds it so (kvref's worker: the
+# next step's). Follow one 14-token prompt (three full blocks) decoding three
+# tokens, on a fresh tier:
+
+# %%
+section("One request's blocks on their way to the host")
+one = LLM(model, kv_transfer_config=tier_config(), **OPTIONS)
+tier = one.scheduler.connector
+timeline = []
+one.after_step.append(lambda llm: timeline.append((
+    llm.scheduler.running[0].num_computed_tokens if llm.scheduler.running else "finished",
+    tier.has_pending_stores(), len(tier.cpu_block_pool.cached_block_hash_to_block))))
+one.generate([conversations[0] + questions[0][0][:2]], SamplingParams(max_tokens=3))
+table = Table("step", "tokens computed", "store in flight", "host blocks hittable")
+for step, (computed, pending, hittable) in enumerate(timeline):
+    table.add_row(str(step), str(computed), str(pending), str(hittable))
+show(table)
+claim(timeline[0] == (14, False, 0),
+      "step 0 computes the prompt's three full blocks and stores none of them")
+claim(timeline[1] == (15, True, 0),
+      "step 1 stores them (confirmed now); copied, but not a hit yet")
+claim(timeline[2][1:] == (False, 3), "step 2: the worker reported the copy done: three hits")
+
+# %% [markdown]
+# So a request that finishes in the step that fills its last block never
+# stores that block: by the next plan it is gone. A 12-token prompt (three
+# full blocks) asking for one token is computed and finished in one step:
+
+# %%
+short = LLM(model, kv_transfer_config=tier_config(), **OPTIONS)
+short.generate([conversations[1]], SamplingParams(max_tokens=1))
+short_tier = short.scheduler.connector
+claim(len(short_tier.cpu_block_pool.cached_block_hash_to_block) == 0
+      and short.model_runner.kv_connector.stats.num_saved_blocks == 0,
+      "a one-step request leaves nothing on the host")
+
+# %% [markdown]
+# vLLM has a second mode, `lazy_offload`: nothing is stored when computed;
+# each step walks the device pool's free queue from where it stopped and
+# offloads cached blocks nearest eviction, until a target of free-or-offloaded
+# blocks (twice a step's worth) is covered. (kvref's connectors are built
+# without the engine's settings, so lazy mode takes `max_num_batched_tokens`
+# in the connector's config.)
+
+# %%
+section("Lazy mode: offload what is about to be evicted")
+lazy = LLM(model, kv_transfer_config=tier_config(
+    lazy_offload=True, max_num_batched_tokens=OPTIONS["max_num_batched_tokens"]), **OPTIONS)
+claim(chat(lazy) == plain_answers, "lazy mode changes no token either")
+lazy_worker = lazy.model_runner.kv_connector
+show(f"lazy: {lazy_worker.stats.num_saved_blocks} blocks stored, "
+     f"{lazy.stats.prompt_tokens_external} prompt tokens loaded; eager: "
+     f"{worker.stats.num_saved_blocks} stored, {tiered.stats.prompt_tokens_external} loaded")
+claim(lazy.stats.prompt_tokens_computed < plain.stats.prompt_tokens_computed,
+      "lazy mode saves prompt tokens too")
+
+# %% [markdown]
 # ## What a load looks like from the scheduler
 #
 # The tier's loads are asynchronous: in the step that finds the hit, the
 # request gets its blocks (uncached, `delay_cache_blocks`) and waits in
-# `WAITING_FOR_REMOTE_KVS` while the worker copies host to device; the next
-# step caches them and schedules the rest of the prompt. So a hit costs one
-# step of latency here, and the bytes move instead of the FLOPs.
+# `WAITING_FOR_REMOTE_KVS`; the worker launches the host-to-device copy after
+# that step's forward and reports the request in `finished_recving` at the
+# poll that finds the copy done (kvref: the next step's; vLLM: usually a later
+# step's); the step after caches its blocks and schedules the rest of the
+# prompt. So here a hit costs two steps of waiting, and the bytes move instead
+# of the FLOPs.
 
 # %%
 section("Loads in flight")
 claim(max(waited) > 0, f"at most {max(waited)} request(s) waited for a load in one step")
+claim(min(steps_loading.values()) >= 2,
+      f"every load kept its request waiting for at least two steps "
+      f"({len(steps_loading)} requests loaded, the longest waited "
+      f"{max(steps_loading.values())})")
 claim(worker.stats.bytes_loaded == worker.stats.num_loaded_blocks
       * tiered.scheduler.connector._block_bytes,
       "each loaded block moved one block of every layer: "
       f"{tiered.scheduler.connector._block_bytes} bytes")
 pool = tiered.kv_cache_manager.block_pool
-claim(pool.get_num_free_blocks() == 30 - 1 and not tiered.scheduler.connector.host_pool._pins,
-      "at the end every device block is free and no host slot is pinned")
+host = tiered.scheduler.connector.cpu_block_pool
+claim(pool.get_num_free_blocks() == 30 - 1 and not any(b.ref_cnt for b in host.blocks),
+      "at the end every device block is free and no host block is held by a copy")
 
 finish()

@@ -50,6 +50,7 @@ class MiniEngine:
             config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
         self.worker_side = KVConnectorFactory.create_connector(
             config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.scheduler_side.bind_gpu_block_pool(self.manager.block_pool)
         if connect:
             self.worker_side.register_kv_caches(self.kv_caches)
         self.computed_tokens: dict[str, int] = {}     # tokens the forward computed, per request
@@ -105,7 +106,7 @@ class MiniEngine:
                                   for r in scheduled},
             finished_req_ids=self.finished_ids)
         self.finished_ids = set()
-        meta = self.scheduler_side.build_connector_meta(output)
+        meta = self.last_meta = self.scheduler_side.build_connector_meta(output)
         worker = self.worker_side
         worker.bind_connector_metadata(meta)
         worker.start_load_kv()
@@ -117,7 +118,8 @@ class MiniEngine:
         worker.wait_for_save()
         sending, recving = worker.get_finished(output.finished_req_ids)
         out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                invalid_block_ids=worker.get_block_ids_with_load_errors())
+                                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                                kv_connector_worker_meta=worker.build_connector_worker_meta())
         worker.clear_connector_metadata()
         self.scheduler_side.update_connector_output(out)
         for req in scheduled:

@@ -17,6 +17,7 @@ next turn's hits come from the host. Whatever is drawn:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,7 +27,6 @@ from hypothesis import strategies as st
 
 from kvref.distributed.kv_transfer.kv_connector.factory import (KVConnectorFactory,
                                                                 KVTransferConfig)
-from kvref.distributed.kv_transfer.kv_connector.utils import scatter_blocks
 from kvref.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
     SimpleCPUOffloadConnector)
 from kvref.engine import LLM, SamplingParams
@@ -56,61 +56,94 @@ class FaultPlan:
 
 
 class FaultyOffloadConnector(SimpleCPUOffloadConnector):
-    """The CPU tier, with the loads ``kv_connector_extra_config["plan"]`` dictates."""
+    """The CPU tier, with the loads ``kv_connector_extra_config["plan"]`` dictates.
+
+    A load event (one per step, all the step's loads) is found done ``delay``
+    polls after its launch; a failing one is copied, then its blocks from
+    ``fail_from`` on are overwritten with garbage and reported at once. A
+    synchronous plan copies before the forward and ends the load after its step.
+    """
 
     def __init__(self, kv_transfer_config, role, kv_cache_config) -> None:
         super().__init__(kv_transfer_config, role, kv_cache_config)
         self.plan: FaultPlan = kv_transfer_config.get_from_extra_config("plan", FaultPlan())
-        self._late: list[list[Any]] = []          # [steps left, req, slots, blocks, fail_from]
+        self._delays: dict[int, int] = {}
         self._invalid: set[int] = set()
         self._sync_loads_per_step: list[list[str]] = []
+        self._local_hit: dict[str, int] = {}
 
-    # scheduler side: synchronous loads release their pins after their step
+    # scheduler side: synchronous loads end after their step
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._local_hit[request.request_id] = num_computed_tokens
         return n, load_async and not self.plan.synchronous
 
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if self.plan.synchronous and num_external_tokens:
+            # The tier finds where the load starts from the blocks still unhashed;
+            # a synchronous load's are hashed at once (no delay_cache_blocks), so it
+            # is shown only the local hit's.
+            num_local = self._local_hit[request.request_id] // self.block_size
+            shown = SimpleNamespace(blocks=tuple(g[:num_local] for g in blocks.blocks),
+                                    get_block_ids=blocks.get_block_ids)
+            return super().update_state_after_alloc(request, shown, num_external_tokens)
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
     def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
         if self.plan.synchronous:
-            self._sync_loads_per_step.append(list(self._loads_to_send))
-        return super().build_connector_meta(scheduler_output)
+            self._sync_loads_per_step.append(list(self._load_event_to_reqs.get(
+                meta.load_event, ())))
+        return meta
 
     def update_connector_output(self, connector_output):
+        # A host copy that failed to load is dropped from the host cache, so the
+        # retry computes it (vLLM's tier never reports a failed load; without this
+        # a plan failing every load would retry forever).
+        bad = connector_output.invalid_block_ids
+        for load in self._reqs_to_load.values():
+            self.cpu_block_pool.evict_blocks({c for g, c in zip(load.gpu_block_ids,
+                                                                load.cpu_block_ids) if g in bad})
         super().update_connector_output(connector_output)
         if self.plan.synchronous and self._sync_loads_per_step:
             for req_id in self._sync_loads_per_step.pop(0):
-                self._release_load(req_id)
+                self._end_load(req_id)
 
     # worker side: loads land late, or break
     def start_load_kv(self, **kwargs):
-        for req_id, (slots, block_ids) in self._get_connector_metadata().loads.items():
-            delay, fail_from = self.plan.next_load()
-            if self.plan.synchronous:
-                delay = 0
-            self._late.append([delay, req_id, slots, block_ids, fail_from])
-        still_late = []
-        for entry in self._late:
-            if entry[0] > 0:
-                entry[0] -= 1
-                still_late.append(entry)
-                continue
-            self._land(*entry[1:])
-        self._late = still_late
+        meta = self._get_connector_metadata()
+        if self.plan.synchronous and meta.load_cpu_blocks:
+            self._copy("load", meta.load_cpu_blocks, meta.load_gpu_blocks)
+            self._pending_load_events.discard(meta.load_event)
+            meta.load_cpu_blocks, meta.load_gpu_blocks = [], []   # nothing left to launch
 
-    def _land(self, req_id, slots, block_ids, fail_from) -> None:
-        caches = list(self.kv_caches.values())
-        blocks = self.cpu_kv.index_select(0, torch.tensor(slots, dtype=torch.long)).clone()
-        if fail_from is not None and fail_from < len(block_ids):
-            blocks[fail_from:] = torch.randn_like(blocks[fail_from:]) * 100   # garbage
-            self._invalid.update(block_ids[fail_from:])
+    def _copy_latency(self, kind, event):
+        return self._delays.pop(event, 1) if kind == "load" else 1
+
+    def _copy(self, kind, src, dst):
+        super()._copy(kind, src, dst)
+        if kind != "load":
+            return
+        delay, fail_from = self.plan.next_load()
+        self._delays[self._get_connector_metadata().load_event] = delay
+        if fail_from is not None and fail_from < len(dst):
+            for cache in self.kv_caches.values():
+                for block_id in dst[fail_from:]:
+                    cache[block_id] = torch.randn_like(cache[block_id]) * 100   # garbage
+            self._invalid.update(dst[fail_from:])
             self.plan.num_failed_loads += 1
-        scatter_blocks(caches, block_ids, blocks)
-        if not self.plan.synchronous:
-            self._finished_recving.add(req_id)
 
     def get_block_ids_with_load_errors(self):
         errors, self._invalid = self._invalid, set()
         return errors
+
+
+def assert_host_pool_released(llm: LLM) -> None:
+    """No load in flight, no host block held by a load or a lookup."""
+    tier = llm.scheduler.connector
+    assert not tier._reqs_to_load and not tier._pending_hits
+    held = [b.block_id for b in tier.cpu_block_pool.blocks[1:] if b.ref_cnt]
+    assert not held, f"host blocks still held: {held}"
 
 
 class StepLimit:
@@ -148,6 +181,13 @@ def reference(model):
     return tokens
 
 
+@pytest.fixture(scope="module")
+def block_bytes(model):
+    """One block of every layer: the tier is sized in bytes (``cpu_bytes_to_use``)."""
+    groups = LLM(model, num_gpu_blocks=40, **OPTIONS).kv_cache_config.kv_cache_groups
+    return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+
+
 POOL = shared_prefix_prompts(96)
 
 
@@ -173,12 +213,12 @@ def workloads(draw):
 
 @settings(max_examples=40, deadline=None)
 @given(workload=workloads())
-def test_drawn_workloads_keep_tokens_and_invariants(model, reference, workload):
+def test_drawn_workloads_keep_tokens_and_invariants(model, reference, block_bytes, workload):
     plan: FaultPlan = workload["plan"]
     config = KVTransferConfig(
         kv_connector="FaultyOffloadConnector", kv_role="kv_both",
         kv_load_failure_policy=workload["policy"],
-        kv_connector_extra_config={"num_cpu_blocks": workload["num_cpu_blocks"],
+        kv_connector_extra_config={"cpu_bytes_to_use": workload["num_cpu_blocks"] * block_bytes,
                                    "plan": plan})
     llm = LLM(model, kv_transfer_config=config, num_gpu_blocks=workload["num_gpu_blocks"],
               **OPTIONS)
@@ -200,17 +240,17 @@ def test_drawn_workloads_keep_tokens_and_invariants(model, reference, workload):
     if plan.num_failed_loads == 0:
         assert llm.stats.num_kv_load_failures == 0
     assert_all_blocks_free(llm)
-    host = llm.scheduler.connector.host_pool
-    assert not host._pins, f"host slots still pinned: {host._pins}"
+    assert_host_pool_released(llm)
 
 
-def test_the_drawn_plans_do_fail_loads_and_land_them_late(model):
+def test_the_drawn_plans_do_fail_loads_and_land_them_late(model, block_bytes):
     """The property above is not vacuous: a plan with late and failing loads
     makes the scheduler see failures and requests wait for their KV."""
     plan = FaultPlan(delays=[2], fail_from=[1])
     config = KVTransferConfig(kv_connector="FaultyOffloadConnector", kv_role="kv_both",
                               kv_load_failure_policy="recompute",
-                              kv_connector_extra_config={"num_cpu_blocks": 32, "plan": plan})
+                              kv_connector_extra_config={"cpu_bytes_to_use": 32 * block_bytes,
+                                                         "plan": plan})
     llm = LLM(model, kv_transfer_config=config, num_gpu_blocks=20, **OPTIONS)
     waited = []
     llm.after_step.append(lambda e: waited.append(len(e.scheduler.skipped_waiting)))

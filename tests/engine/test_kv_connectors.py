@@ -15,7 +15,7 @@ from kvref import RequestStatus
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.engine import LLM, SamplingParams
 
-from .hf_models import llama
+from .hf_models import hybrid, llama
 from .test_llm import shared_prefix_prompts
 
 BLOCK = 4
@@ -42,7 +42,9 @@ def reference(model, prompts):
 def check_scheduler(llm: LLM) -> None:
     """After a step: pool invariants, and each request in one place."""
     s = llm.scheduler
-    llm.kv_cache_manager.check_valid(popped_blocks=s.deferred_blocks())
+    # The CPU tier holds a reference on the device blocks it is copying.
+    held = getattr(s.connector, "gpu_blocks_held", lambda: [])()
+    llm.kv_cache_manager.check_valid(popped_blocks=[*s.deferred_blocks(), *held])
     queued = [r.request_id for r in [*s.running, *s.waiting, *s.skipped_waiting]]
     assert len(queued) == len(set(queued)), "a request is in two queues"
     for req_id, request in s.requests.items():
@@ -60,6 +62,16 @@ def connected_llm(model, config: KVTransferConfig, **kwargs) -> LLM:
     llm = LLM(model, kv_transfer_config=config, **{**OPTIONS, **kwargs})
     llm.after_step.append(check_scheduler)
     return llm
+
+
+def cpu_tier(model, num_cpu_blocks: int) -> KVTransferConfig:
+    """The CPU offload tier with ``num_cpu_blocks`` host blocks, asked as vLLM asks:
+    in bytes (``cpu_bytes_to_use``), here one block of every layer times the count."""
+    groups = LLM(model, num_gpu_blocks=20, **OPTIONS).kv_cache_config.kv_cache_groups
+    block_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    return KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                            kv_connector_extra_config={
+                                "cpu_bytes_to_use": num_cpu_blocks * block_bytes})
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -98,8 +110,7 @@ def test_a_second_engine_reads_the_first_ones_blocks_from_storage(model, prompts
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_evicted_blocks_come_back_from_the_cpu_tier(model, prompts, reference,
                                                     async_scheduling):
-    config = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"num_cpu_blocks": 64})
+    config = cpu_tier(model, 64)
     llm = connected_llm(model, config, num_gpu_blocks=20,      # small: preempts, evicts
                         async_scheduling=async_scheduling)
     # Async: a consumer's freed blocks wait for the step in flight (deferred frees).
@@ -116,11 +127,28 @@ def test_evicted_blocks_come_back_from_the_cpu_tier(model, prompts, reference,
     assert_all_blocks_free(llm)
 
 
+def test_a_hybrid_model_runs_through_the_cpu_tier_token_equal(prompts):
+    """Full-attention and sliding-window groups: the tier (SupportsHMA) stores and
+    loads both groups' blocks; the tokens are those of the engine without it."""
+    model = hybrid()
+    plain = LLM(model, num_gpu_blocks=60, **OPTIONS)
+    groups = plain.kv_cache_config.kv_cache_groups
+    assert len(groups) == 2
+    want = tokens(plain.generate(prompts + prompts, PARAMS))
+    block_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    config = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"cpu_bytes_to_use": 64 * block_bytes})
+    llm = connected_llm(model, config, num_gpu_blocks=30)
+    assert tokens(llm.generate(prompts + prompts, PARAMS)) == want
+    assert llm.stats.prompt_tokens_external > 0
+    assert llm.model_runner.kv_connector.stats.num_loaded_blocks > 0
+    assert_all_blocks_free(llm)
+
+
 def test_without_the_tier_the_same_workload_computes_more(model, prompts, reference):
     plain = LLM(model, num_gpu_blocks=20, **OPTIONS)
     assert tokens(plain.generate(prompts + prompts, PARAMS)) == reference + reference
-    config = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"num_cpu_blocks": 64})
+    config = cpu_tier(model, 64)
     tiered = connected_llm(model, config, num_gpu_blocks=20)
     tiered.generate(prompts + prompts, PARAMS)
     assert tiered.stats.prompt_tokens_computed < plain.stats.prompt_tokens_computed

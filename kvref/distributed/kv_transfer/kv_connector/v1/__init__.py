@@ -4,7 +4,7 @@
 ``base.py``: ``KVConnectorBase_V1``, its metadata and output.
 ``example_connector.py``: ``ExampleConnector``, block files on disk.
 ``p2p/p2p_connector.py``: ``P2pConnector``, prefill -> decode between processes.
-``simple_cpu_offload_connector.py``: ``SimpleCPUOffloadConnector``, a host LRU tier.
+``simple_cpu_offload_connector.py``: ``SimpleCPUOffloadConnector``, a host tier timed as vLLM's.
 """
 
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (

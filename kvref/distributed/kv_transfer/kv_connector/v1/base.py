@@ -42,8 +42,8 @@ manager off with a warning, and the window layers join the full-attention
 group (``FullAttentionSpec(sliding_window=W)``: every block kept), so such a
 connector always sees one group; asked explicitly for the hybrid manager, the
 engine refuses to build it. kvref's ``P2pConnector`` (vLLM's NIXL and Mooncake
-connectors have ``SupportsHMA``) supports it; ``ExampleConnector`` does not,
-as vLLM's does not.
+connectors have ``SupportsHMA``) and ``SimpleCPUOffloadConnector`` support it;
+``ExampleConnector`` does not, as vLLM's does not.
 """
 
 from __future__ import annotations
@@ -104,6 +104,16 @@ class KVConnectorMetadata:  # noqa: B903 - a marker base, as in vLLM
     """What the scheduler half tells the worker half for one step (subclassed per connector)."""
 
 
+class KVConnectorWorkerMetadata(ABC):
+    """What a worker half tells the scheduler half for one step, beyond the request
+    ids (subclassed per connector); the workers' reports of one step are merged
+    with ``aggregate`` (``vllm/distributed/kv_transfer/kv_connector/v1/base.py:150-168``)."""
+
+    @abstractmethod
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """This report merged with another worker's."""
+
+
 @dataclass
 class KVConnectorStats:
     """What a connector's worker half moved (kvref's counters; vLLM's connectors
@@ -123,15 +133,18 @@ class KVConnectorOutput:
     ``finished_sending``: requests whose held blocks may now be freed.
     ``finished_recving``: requests whose asynchronous load ended (landed or failed).
     ``invalid_block_ids``: blocks whose load failed; requests holding them
-    recompute from the first one.
+    recompute from the first one. ``kv_connector_worker_meta``: the connector's
+    own report (``build_connector_worker_meta``), or None.
     """
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_worker_meta: KVConnectorWorkerMetadata | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.kv_connector_worker_meta)
 
 
 class KVConnectorBase_V1(ABC):
@@ -216,6 +229,11 @@ class KVConnectorBase_V1(ABC):
         last step (a producer starts or keeps sending for those).
         """
         return None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's report for the scheduler half, asked after ``get_finished``
+        (``vllm/v1/worker/kv_connector_model_runner_mixin.py:109``); None by default."""
+        return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed, reported no later than the step in which
@@ -306,7 +324,8 @@ def execute_with_connector(connector: KVConnectorBase_V1 | None, scheduler_outpu
     sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
     kv_connector_output = KVConnectorOutput(
         finished_sending=sending, finished_recving=recving,
-        invalid_block_ids=connector.get_block_ids_with_load_errors())
+        invalid_block_ids=connector.get_block_ids_with_load_errors(),
+        kv_connector_worker_meta=connector.build_connector_worker_meta())
     connector.clear_connector_metadata()
     # (vLLM's runner returns no KVConnectorOutput at all from a step without a
     # forward that has nothing to report, ``vllm/v1/outputs.py:284-294``, so its
@@ -314,3 +333,4 @@ def execute_with_connector(connector: KVConnectorBase_V1 | None, scheduler_outpu
     # report, and kvref's CPU tier counts on one call per step.)
     output.kv_connector_output = kv_connector_output
     return output
+
