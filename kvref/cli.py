@@ -5,6 +5,7 @@
     kvref record --workload W -o FILE                       write a kvtrace/1 trace
     kvref explain TRACE --op N                              why op N did what it did
     kvref replay PATH...                                    replay traces, compare with vLLM's
+    kvref watch ENDPOINT [--query TOKENS]                   a running vLLM's cache, from its KV events
     kvref --version                                         (also: python -m kvref ...)
 
 Workloads: the walk-throughs ``prefix-caching`` (the default demo) and
@@ -277,6 +278,55 @@ def cmd_replay(args, console: Console) -> int:
     return EXIT_BAD_INPUT if bad else (1 if divergent else 0)
 
 
+def cmd_watch(args, console: Console) -> int:
+    from kvref.viz.watch import Query, render_watch
+    from kvref.watch import WatchError, Watcher, read_queries
+
+    try:
+        queries = [Query(name, tokens) for name, tokens in
+                   read_queries(args.query or [], args.query_file)]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for name, value in (("--duration", args.duration), ("--batches", args.batches)):
+        if value is not None and value <= 0:
+            raise UsageError(f"{name} must be positive, got {value}")
+    try:
+        watcher = Watcher(args.endpoint, host=args.host, topic=args.topic,
+                          replay_endpoint=args.replay)
+    except WatchError as exc:
+        raise UsageError(str(exc)) from None
+    live = console.is_terminal and not args.json
+    try:
+        with watcher:
+            if live:
+                from rich.live import Live
+
+                with Live(render_watch(watcher, queries), console=console,
+                          refresh_per_second=4) as screen:
+                    watcher.run(duration_s=args.duration, max_batches=args.batches,
+                                on_update=lambda w: screen.update(render_watch(w, queries)))
+            else:
+                watcher.run(duration_s=args.duration, max_batches=args.batches)
+            _watch_report(watcher, queries, args.json, live, console)
+    except WatchError as exc:
+        raise UsageError(str(exc)) from None
+    except KeyboardInterrupt:
+        _watch_report(watcher, queries, args.json, live, console)
+    return 0
+
+
+def _watch_report(watcher, queries, as_json: bool, shown_live: bool, console: Console) -> None:
+    import json
+
+    from kvref.viz.watch import render_watch
+
+    if as_json:
+        answers = [{"query": q.name, **watcher.index.query(q.tokens)._asdict()} for q in queries]
+        print(json.dumps({**watcher.status(), "queries": answers}))
+    elif not shown_live:
+        console.print(render_watch(watcher, queries))
+
+
 def _n(count: int, word: str) -> str:
     return f"{count} {word if count == 1 else word + 's'}"
 
@@ -363,6 +413,33 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--check-invariants", action="store_true",
                      help="also assert the invariants of specs/ after every op")
     rep.set_defaults(run=cmd_replay)
+    wat = sub.add_parser("watch", help="a running vLLM's prefix cache, live, from its KV events",
+                         description="Subscribe to a running vLLM's KV events over ZMQ (start "
+                         "it with --kv-events-config '{\"enable_kv_cache_events\": true, "
+                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'), "
+                         "keep the prefix-cache index a router keeps, and show it live with "
+                         "how far each --query prompt would hit now. ENDPOINT is the one "
+                         "vLLM was given: vLLM binds tcp://*:PORT and ipc:// endpoints (the "
+                         "watcher connects, to --host) and connects to tcp://HOST:PORT (the "
+                         "watcher binds there). Stops after --duration or --batches, or on "
+                         "Ctrl-C, and prints the index and answers (--json for scripts).")
+    wat.add_argument("endpoint", help="vLLM's kv-events endpoint, e.g. tcp://*:5557")
+    wat.add_argument("--host", default="127.0.0.1",
+                     help="the server's address when it binds (tcp://*:PORT); default 127.0.0.1")
+    wat.add_argument("--replay", metavar="ENDPOINT",
+                     help="vLLM's replay_endpoint: fetch batches sent before the watcher "
+                     "started or lost on the way")
+    wat.add_argument("--topic", default="", help="vLLM's kv-events topic (default: none)")
+    wat.add_argument("--query", action="append", metavar="TOKENS",
+                     help="token ids of a prompt, e.g. '1 2 3' or '[1, 2, 3]' (repeatable)")
+    wat.add_argument("--query-file", metavar="FILE",
+                     help="prompts: JSON lines of token-id lists or {\"prompt_token_ids\": "
+                     "[...]} (an \"id\" names it), or one JSON list of them")
+    wat.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    wat.add_argument("--batches", type=int, metavar="N", help="stop after N event batches")
+    wat.add_argument("--json", action="store_true",
+                     help="no live view; print the final index and answers as JSON")
+    wat.set_defaults(run=cmd_watch)
     return parser
 
 

@@ -1,0 +1,302 @@
+"""``kvref watch`` against vLLM 0.25.1's own KV events, over real ZMQ sockets.
+
+``recorded/vllm_kv_events.json.gz`` holds the frames vLLM's ``ZmqEventPublisher``
+sent for two workloads on vLLM's ``KVCacheManager`` (``tools/record_vllm_kv_events.py``,
+run in the oracle environment), with vLLM's pool index and its
+``get_computed_blocks`` answers at checkpoints. These tests send the frames byte
+for byte over loopback sockets to a watcher and require its index and answers to
+be vLLM's. ``test_live_vllm_publisher`` runs vLLM's publisher itself where the
+oracle environment exists. Every loop here has a deadline: no test waits forever.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+zmq = pytest.importorskip("zmq", reason="pyzmq is in kvref's test extra")
+
+from kvref.watch import PrefixCacheIndex, WatchError, Watcher, decode_message  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = json.loads(gzip.decompress(
+    (Path(__file__).parent / "recorded/vllm_kv_events.json.gz").read_bytes()))
+ORACLE = Path("/root/.cache/vllm-oracle/bin/python")
+DEADLINE_S = 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def frames_of(workload: str) -> list[list[bytes]]:
+    return [[bytes.fromhex(part) for part in frame]
+            for frame in RECORDED["workloads"][workload]["frames"]]
+
+
+def sender(address: str, watcher: Watcher | None = None):
+    """An XPUB socket connected to ``address`` that has seen the watcher's
+    subscription, so nothing sent is lost to ZMQ's slow-joiner window. A SUB
+    socket handles a new peer (and sends it its subscription) only inside a call
+    on it: an in-process ``watcher`` is polled meanwhile."""
+    pub = zmq.Context.instance().socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(address)
+    wait_for_subscription(pub, watcher)
+    return pub
+
+
+def wait_for_subscription(pub, watcher: Watcher | None) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not pub.poll(50):
+        assert time.monotonic() < deadline, "the watcher never subscribed"
+        if watcher is not None:
+            watcher.poll(0)
+    assert pub.recv()[:1] == b"\x01"
+
+
+def drain(watcher: Watcher, until_seq: int) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while (watcher.next_seq or 0) <= until_seq and time.monotonic() < deadline:
+        watcher.poll(0.2)
+    assert watcher.next_seq == until_seq + 1, f"stuck at seq {watcher.next_seq}"
+
+
+def pool_index(checkpoint: dict) -> Counter:
+    return Counter({(g, h): n for g, h, n in checkpoint["index"]})
+
+
+@pytest.mark.parametrize("workload", ["full", "hybrid"])
+def test_the_watchers_index_is_vllms_pool_and_it_answers_as_vllm_does(workload):
+    recorded = RECORDED["workloads"][workload]
+    frames, port = frames_of(workload), free_port()
+    # vLLM given tcp://127.0.0.1:PORT connects (kv_events.py:400-401): the watcher binds.
+    with Watcher(f"tcp://127.0.0.1:{port}") as watcher:
+        assert watcher.binds
+        pub = sender(f"tcp://127.0.0.1:{port}", watcher)
+        sent = 0
+        probes_checked = []
+        for checkpoint in recorded["checkpoints"]:
+            while sent <= checkpoint["after_seq"]:
+                pub.send_multipart(frames[sent])
+                sent += 1
+            drain(watcher, checkpoint["after_seq"])
+            assert watcher.index.blocks == pool_index(checkpoint), \
+                f"index differs from vLLM's pool after batch {checkpoint['after_seq']}"
+            for prompt, vllm_hit in checkpoint["probes"]:
+                assert watcher.index.query(prompt).hit_tokens == vllm_hit, prompt
+                probes_checked.append(vllm_hit)
+        pub.close(0)
+        assert watcher.missed == 0 and watcher.batches == len(frames)
+        counts = watcher.index.counts
+    # The workload is not trivial: evictions, a reset, hits and misses of many lengths.
+    assert counts["BlockRemoved"] > 0 and counts["AllBlocksCleared"] == 1
+    assert 0 in probes_checked and len(set(probes_checked)) >= 5
+    assert any(n > 1 for c in recorded["checkpoints"] for _, _, n in c["index"])  # copies
+    if workload == "hybrid":
+        assert watcher.index.sparse_stores > 0    # Mamba align stores (lesson 11's defect)
+
+
+def test_a_server_that_binds_is_reached_by_connecting(tmp_path):
+    # vLLM binds ipc:// endpoints (kv_events.py:396): the watcher connects.
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    frames = frames_of("full")[:10]
+    context = zmq.Context.instance()
+    pub = context.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(endpoint)
+    with Watcher(endpoint) as watcher:
+        assert not watcher.binds
+        wait_for_subscription(pub, watcher)
+        for frame in frames:
+            pub.send_multipart(frame)
+        drain(watcher, 9)
+        assert watcher.batches == 10
+    pub.close(0)
+
+
+def test_a_late_watcher_counts_the_batches_it_never_saw():
+    port = free_port()
+    frames = frames_of("full")
+    with Watcher(f"tcp://127.0.0.1:{port}") as watcher:
+        pub = sender(f"tcp://127.0.0.1:{port}", watcher)
+        for frame in frames[5:12]:
+            pub.send_multipart(frame)
+        drain(watcher, 11)
+        assert (watcher.first_seq, watcher.missed, watcher.batches) == (5, 5, 7)
+        pub.close(0)
+
+
+def test_a_duplicate_batch_is_applied_once():
+    index_once = PrefixCacheIndex()
+    frames = frames_of("full")[:3]
+    for frame in frames:
+        for event in decode_message(frame).events:
+            index_once.apply(event)
+    port = free_port()
+    with Watcher(f"tcp://127.0.0.1:{port}") as watcher:
+        pub = sender(f"tcp://127.0.0.1:{port}", watcher)
+        for frame in [frames[0], frames[1], frames[1], frames[2]]:
+            pub.send_multipart(frame)
+        drain(watcher, 2)
+        assert watcher.index.blocks == index_once.blocks and watcher.batches == 3
+        pub.close(0)
+
+
+# -- the command --------------------------------------------------------------------
+
+
+def kvref(*args, **kwargs):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="100", TERM="dumb")
+    return subprocess.Popen([sys.executable, "-m", "kvref.cli", *map(str, args)], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def finish(process, timeout=60):
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+def test_the_command_answers_queries_from_vllms_events(tmp_path):
+    recorded = RECORDED["workloads"]["full"]
+    final = recorded["checkpoints"][-1]
+    frames, port = frames_of("full"), free_port()
+    queries = tmp_path / "prompts.jsonl"
+    queries.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt_token_ids": prompt})
+                                 for i, (prompt, _) in enumerate(final["probes"][1:])))
+    first_prompt, first_hit = final["probes"][0]
+    process = kvref("watch", f"tcp://127.0.0.1:{port}", "--batches", len(frames),
+                    "--duration", 60, "--json", "--query", " ".join(map(str, first_prompt)),
+                    "--query-file", queries)
+    pub = sender(f"tcp://127.0.0.1:{port}")
+    for frame in frames:
+        pub.send_multipart(frame)
+    code, out, err = finish(process)
+    pub.close(0)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["batches"] == len(frames) and report["missed_batches"] == 0
+    assert report["groups"] == [{"group": 0, "kind": "full_attention", "block_size": 4,
+                                 "cached_blocks": sum(pool_index(final).values())}]
+    answers = [(q["query"], q["hit_tokens"]) for q in report["queries"]]
+    assert answers == [("query 1", first_hit)] + [
+        (f"p{i}", hit) for i, (_, hit) in enumerate(final["probes"][1:])]
+
+
+def test_the_command_without_json_prints_the_picture_once():
+    port = free_port()
+    process = kvref("watch", f"tcp://127.0.0.1:{port}", "--batches", 3, "--duration", 60,
+                    "--query", "1000 1001 1002 1003 1004 1005 1006 1007 1008 7")
+    pub = sender(f"tcp://127.0.0.1:{port}")
+    for frame in frames_of("full")[:3]:
+        pub.send_multipart(frame)
+    code, out, err = finish(process)
+    pub.close(0)
+    assert code == 0, err
+    assert f"bound at tcp://127.0.0.1:{port}: 3 batches" in out
+    assert "full_attention" in out and "query 1" in out and "stored" in out
+
+
+@pytest.mark.parametrize("endpoint, says", [
+    ("http://127.0.0.1:5557", "is not a ZMQ endpoint vLLM publishes on"),
+    ("tcp://127.0.0.1", "no port"),
+    ("tcp://127.0.0.1:99999", "no port"),
+    ("inproc://kv", "lives inside the server's process"),
+    ("tcp://203.0.113.1:5557", "cannot bind tcp://203.0.113.1:5557"),   # not this machine's
+])
+def test_a_bad_endpoint_is_one_line(endpoint, says):
+    code, out, err = finish(kvref("watch", endpoint, "--duration", 1))
+    assert code == 2 and says in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_an_endpoint_in_use_is_one_line():
+    port = free_port()
+    context = zmq.Context.instance()
+    holder = context.socket(zmq.SUB)
+    holder.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        code, out, err = finish(kvref("watch", f"tcp://127.0.0.1:{port}", "--duration", 1))
+    finally:
+        holder.close(0)
+    assert code == 2 and "cannot bind" in err and "Address already in use" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("message, says", [
+    ([b"hello"], "1 frames (5 bytes); vLLM sends 3"),
+    ([b"", (0).to_bytes(8, "big"), b"\xc1"], "not msgpack"),
+    ([b"", (0).to_bytes(8, "big"), b"\x81\xa1a\x01"], "not a KVEventBatch"),
+    ([b"", (0).to_bytes(8, "big"), b"\x92\xcb" + bytes(8) + b"\x91\x81\xa4type\xa4Oops"],
+     "an event of type 'Oops'"),
+])
+def test_a_foreign_message_is_one_line(message, says):
+    port = free_port()
+    process = kvref("watch", f"tcp://127.0.0.1:{port}", "--duration", 60)
+    pub = sender(f"tcp://127.0.0.1:{port}")
+    pub.send_multipart(message)
+    code, out, err = finish(process)
+    pub.close(0)
+    assert code == 2 and says in err and "is not vLLM's KV events" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--query", "one two"], "give token ids"),
+    (["--query-file", "/nonexistent/prompts.jsonl"], "No such file"),
+    (["--duration", "0"], "--duration must be positive"),
+])
+def test_bad_queries_and_limits_are_one_line(args, says):
+    code, out, err = finish(kvref("watch", f"tcp://127.0.0.1:{free_port()}", *args))
+    assert code == 2 and says in err and "Traceback" not in err
+
+
+def test_the_watch_api_refuses_a_bad_endpoint_with_watch_error():
+    with pytest.raises(WatchError, match="lives inside"):
+        Watcher("inproc://x")
+
+
+# -- vLLM's own publisher, live ---------------------------------------------------------
+
+
+@pytest.mark.skipif(not ORACLE.exists(), reason=f"needs the vLLM 0.25.1 oracle environment "
+                    f"({ORACLE}; tools/setup_vllm_venv.py): CI replays the recorded frames")
+def test_live_vllm_publisher_and_its_replay_socket():
+    """vLLM's ZmqEventPublisher in its own process, connecting to the watcher; then a
+    second watcher that only asks vLLM's replay socket, from seq 0."""
+    port, replay_port = free_port(), free_port()
+    replay = f"tcp://127.0.0.1:{replay_port}"
+    with Watcher(f"tcp://127.0.0.1:{port}", replay_endpoint=replay) as watcher:
+        publisher = subprocess.Popen(
+            [str(ORACLE), str(ROOT / "tools/record_vllm_kv_events.py"),
+             "--publish", f"tcp://127.0.0.1:{port}", "--replay-endpoint", replay,
+             "--workload", "hybrid"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            truth = json.loads(publisher.stdout.readline())   # after the last publish
+            deadline = time.monotonic() + DEADLINE_S
+            while watcher.next_seq != truth["batches"] and time.monotonic() < deadline:
+                watcher.poll(0.2)
+                if watcher.next_seq != truth["batches"]:
+                    watcher.catch_up(timeout_s=1.0)    # what the live socket missed
+            with Watcher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=replay) as late:
+                late_blocks, late_next = late.index.blocks, late.next_seq
+        finally:
+            publisher.communicate("done\n", timeout=60)
+    final = truth["checkpoints"][-1]
+    assert watcher.next_seq == late_next == truth["batches"] == final["after_seq"] + 1
+    assert watcher.index.blocks == late_blocks == pool_index(final)
+    for prompt, vllm_hit in final["probes"]:
+        assert watcher.index.query(prompt).hit_tokens == vllm_hit
