@@ -280,11 +280,12 @@ def cmd_replay(args, console: Console) -> int:
 
 def cmd_watch(args, console: Console) -> int:
     from kvref.viz.watch import Query, render_watch
-    from kvref.watch import WatchError, Watcher, read_queries
+    from kvref.watch import WatchError, Watcher, load_tokenizer, read_queries
 
     try:
+        tokenize = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
         queries = [Query(name, tokens) for name, tokens in
-                   read_queries(args.query or [], args.query_file)]
+                   read_queries(args.query or [], args.query_file, args.prompt or [], tokenize)]
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     for name, value in (("--duration", args.duration), ("--batches", args.batches)):
@@ -432,9 +433,15 @@ def build_parser() -> argparse.ArgumentParser:
     wat.add_argument("--topic", default="", help="vLLM's kv-events topic (default: none)")
     wat.add_argument("--query", action="append", metavar="TOKENS",
                      help="token ids of a prompt, e.g. '1 2 3' or '[1, 2, 3]' (repeatable)")
+    wat.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="a prompt as text, with --tokenizer (repeatable)")
     wat.add_argument("--query-file", metavar="FILE",
                      help="prompts: JSON lines of token-id lists or {\"prompt_token_ids\": "
-                     "[...]} (an \"id\" names it), or one JSON list of them")
+                     "[...]} or {\"prompt\": TEXT} (an \"id\" names it), or one JSON list")
+    wat.add_argument("--tokenizer", metavar="DIR",
+                     help="the served model's tokenizer folder (local; needs transformers): "
+                     "turns --prompt texts into token ids as vLLM's /v1/completions does (a chat "
+                     "request applies its chat template first: give its token ids)")
     wat.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     wat.add_argument("--batches", type=int, metavar="N", help="stop after N event batches")
     wat.add_argument("--json", action="store_true",

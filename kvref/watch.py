@@ -281,13 +281,24 @@ def parse_tokens(text: str) -> list[int]:
     return [int(w) for w in words]
 
 
-def read_queries(texts: list[str], path: str | None) -> list[tuple[str, list[int]]]:
-    """Named prompts from ``--query`` texts and a ``--query-file``: JSON lines, each a
-    token-id list or ``{"prompt_token_ids": [...]}`` (optional ``"id"``), or one JSON
-    list of them."""
+def read_queries(texts: list[str], path: str | None, prompts: list[str] = (),
+                 tokenize: Callable[[str], list[int]] | None = None
+                 ) -> list[tuple[str, list[int]]]:
+    """Named prompts from ``--query`` token ids, ``--prompt`` texts and a
+    ``--query-file``: JSON lines, each a token-id list or an object with
+    ``"prompt_token_ids"`` (or, with a tokenizer, ``"prompt"`` text) and an
+    optional ``"id"``; or one JSON list of them. Text needs ``tokenize``."""
     import json
 
+    def tokens_of(text: str, where: str) -> list[int]:
+        if tokenize is None:
+            raise ValueError(f"{where} is text: give --tokenizer (the served model's "
+                             "tokenizer folder) to turn it into token ids")
+        return tokenize(text)
+
     queries = [(f"query {i + 1}", parse_tokens(t)) for i, t in enumerate(texts)]
+    queries += [(f"prompt {i + 1}", tokens_of(t, f"--prompt {t[:20]!r}"))
+                for i, t in enumerate(prompts)]
     if path is None:
         return queries
     try:
@@ -306,13 +317,32 @@ def read_queries(texts: list[str], path: str | None) -> list[tuple[str, list[int
                              f"({exc.msg})") from None
     for n, item in enumerate(items, 1):
         tokens = item.get("prompt_token_ids") if isinstance(item, dict) else item
+        if isinstance(item, dict) and tokens is None and isinstance(item.get("prompt"), str):
+            tokens = tokens_of(item["prompt"], f"--query-file {path}: prompt {n}")
         if not (isinstance(tokens, list) and tokens and
                 all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
             raise ValueError(f"--query-file {path}: prompt {n} is not a list of token ids "
-                             "nor {\"prompt_token_ids\": [...]}")
+                             "nor {\"prompt_token_ids\": [...]} nor {\"prompt\": TEXT}")
         name = str(item.get("id", f"{path}:{n}")) if isinstance(item, dict) else f"{path}:{n}"
         queries.append((name, tokens))
     return queries
+
+
+def load_tokenizer(folder: str) -> Callable[[str], list[int]]:
+    """A local tokenizer folder (never downloads) as text -> token ids, with the
+    special tokens vLLM's ``/v1/completions`` adds by default
+    (``vllm/entrypoints/openai/completion/protocol.py:100``). A chat request's
+    prompt goes through the chat template first: give its token ids instead."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--tokenizer needs transformers: pip install 'kvref[engine]'") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--tokenizer {folder}: {first}") from None
+    return lambda text: list(tokenizer(text)["input_ids"])
 
 
 def import_zmq():

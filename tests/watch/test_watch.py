@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-zmq = pytest.importorskip("zmq", reason="pyzmq is in kvref's test extra")
+import zmq  # noqa: E402  (in the test extra: CI installs it)
 
 from kvref.watch import PrefixCacheIndex, WatchError, Watcher, decode_message  # noqa: E402
 
@@ -300,3 +300,33 @@ def test_live_vllm_publisher_and_its_replay_socket():
     assert watcher.index.blocks == late_blocks == pool_index(final)
     for prompt, vllm_hit in final["probes"]:
         assert watcher.index.query(prompt).hit_tokens == vllm_hit
+
+
+def test_text_prompts_go_through_the_served_models_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    import transformers
+
+    words = {w: 1000 + i for i, w in enumerate("you are a helpful assistant today".split())}
+    words["<unk>"] = 0
+    model = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=model,
+                                         unk_token="<unk>").save_pretrained(tmp_path)
+    port = free_port()
+    process = kvref("watch", f"tcp://127.0.0.1:{port}", "--batches", 1, "--duration", 60,
+                    "--json", "--tokenizer", tmp_path,
+                    "--prompt", "you are a helpful assistant today")
+    pub = sender(f"tcp://127.0.0.1:{port}")
+    # the first recorded batch stores tokens 1000..1011 (three blocks of 4)
+    pub.send_multipart(frames_of("full")[0])
+    code, out, err = finish(process)
+    pub.close(0)
+    assert code == 0, err
+    [answer] = json.loads(out)["queries"]
+    assert (answer["query"], answer["num_tokens"], answer["hit_tokens"]) == ("prompt 1", 6, 4)
+
+
+def test_a_text_prompt_without_a_tokenizer_is_one_line():
+    code, out, err = finish(kvref("watch", f"tcp://127.0.0.1:{free_port()}",
+                                  "--prompt", "hello there"))
+    assert code == 2 and "give --tokenizer" in err and "Traceback" not in err
