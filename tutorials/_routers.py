@@ -7,7 +7,9 @@ same rule (``RouterIndex.score``) and differ in what they remember:
 ``TokenTreeIndex`` keeps a prefix tree of its own keys over token slices
 (``skip_sparse=True``: the defence against stores whose slices and hashes do
 not pair up). Lesson 11 feeds them a real manager's events and checks their
-answers against the pool.
+answers against the pool. The hit rule and ``HashIndex``'s memory are
+``kvref.watch``'s (``hit_tokens``, ``PrefixCacheIndex``), the ones ``kvref watch``
+keeps for a running vLLM.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from functools import lru_cache
 from kvref import (AllBlocksCleared, BlockRemoved, BlockStored, Request,
                    get_request_block_hasher, sha256)
 from kvref.core.kv_cache_utils import maybe_convert_block_hash
+from kvref.watch import PrefixCacheIndex, hit_tokens
 
 
 class RouterIndex(ABC):
@@ -34,16 +37,10 @@ class RouterIndex(ABC):
         answers from its own memory)"""
 
     def score(self, tokens):
-        max_blocks = (len(tokens) - 1) // self.block_size   # the last token is never a hit
-        full = [g for g, kind in self.group_kinds.items() if kind == "full_attention"]
-        run = 0
-        while run < max_blocks and all(self.cached(g, tokens, run) for g in full):
-            run += 1
-        for g, kind in self.group_kinds.items():
-            if kind == "mamba":       # the state at the end of the hit must be cached
-                while run > 0 and not self.cached(g, tokens, run - 1):
-                    run -= 1
-        return run * self.block_size
+        # full-attention groups' leading run, a Mamba group's last cached state
+        # within it, never past num_tokens - 1 (the last token is never a hit)
+        return hit_tokens(len(tokens), self.block_size, self.group_kinds,
+                          lambda group, i: self.cached(group, tokens, i))
 
 
 @lru_cache(maxsize=4096)
@@ -59,19 +56,14 @@ class HashIndex(RouterIndex):
 
     def __init__(self, group_kinds: dict[int, str], block_size: int) -> None:
         super().__init__(group_kinds, block_size)
-        self.blocks = Counter()
+        self.index = PrefixCacheIndex()
+
+    @property
+    def blocks(self):
+        return self.index.blocks
 
     def apply(self, event):
-        if isinstance(event, BlockStored):
-            for h in event.block_hashes:
-                self.blocks[(event.group_idx, h)] += 1
-        elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                self.blocks[(event.group_idx, h)] -= 1
-                if self.blocks[(event.group_idx, h)] == 0:
-                    del self.blocks[(event.group_idx, h)]
-        elif isinstance(event, AllBlocksCleared):
-            self.blocks.clear()
+        self.index.apply(event)
 
     def cached(self, group, tokens, i):
         return (group, prompt_hashes(tuple(tokens), self.block_size)[i]) in self.blocks
