@@ -279,7 +279,7 @@ def cmd_replay(args, console: Console) -> int:
 
 
 def cmd_watch(args, console: Console) -> int:
-    from kvref.viz.watch import Query, render_watch
+    from kvref.viz.watch import Query
     from kvref.watch import WatchError, Watcher, load_tokenizer, read_queries
 
     try:
@@ -300,23 +300,25 @@ def cmd_watch(args, console: Console) -> int:
     try:
         with watcher:
             if live:
-                from rich.live import Live
+                from kvref.viz.watch import WatchApp
 
-                with Live(render_watch(watcher, queries), console=console,
-                          refresh_per_second=4) as screen:
-                    watcher.run(duration_s=args.duration, max_batches=args.batches,
-                                on_update=lambda w: screen.update(render_watch(w, queries)))
+                app = WatchApp(watcher, queries, duration_s=args.duration,
+                               max_batches=args.batches, tokenize=tokenize)
+                app.run()
+                queries = app.queries
+                if app.error is not None:
+                    raise WatchError(app.error)
             else:
                 watcher.run(duration_s=args.duration, max_batches=args.batches)
-            _watch_report(watcher, queries, args.json, live, console)
+            _watch_report(watcher, queries, args.json, console)
     except WatchError as exc:
         raise UsageError(str(exc)) from None
     except KeyboardInterrupt:
-        _watch_report(watcher, queries, args.json, live, console)
+        _watch_report(watcher, queries, args.json, console)
     return 0
 
 
-def _watch_report(watcher, queries, as_json: bool, shown_live: bool, console: Console) -> None:
+def _watch_report(watcher, queries, as_json: bool, console: Console) -> None:
     import json
 
     from kvref.viz.watch import render_watch
@@ -324,7 +326,7 @@ def _watch_report(watcher, queries, as_json: bool, shown_live: bool, console: Co
     if as_json:
         answers = [{"query": q.name, **watcher.index.query(q.tokens)._asdict()} for q in queries]
         print(json.dumps({**watcher.status(), "queries": answers}))
-    elif not shown_live:
+    else:
         console.print(render_watch(watcher, queries))
 
 

@@ -400,7 +400,10 @@ class Watcher:
         self.address, self.binds = watcher_address(endpoint, host)
         self.index = PrefixCacheIndex()
         self.next_seq: int | None = None
-        self.batches = 0
+        self.batches = 0                  # applied
+        self.received = 0                 # live messages read (applied or not)
+        self.restarts = 0
+        self.seq0_ts: float | None = None
         self.missed = 0                   # batches never received (seq gaps)
         self.first_seq: int | None = None
         self.ranks: set = set()
@@ -439,19 +442,34 @@ class Watcher:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def poll(self, timeout_s: float) -> int:
-        """Apply what arrives within ``timeout_s``; the number of batches applied.
-        ``WatchError`` on a message that is not vLLM's."""
+    def poll(self, timeout_s: float, max_messages: int = 1000) -> int:
+        """Wait up to ``timeout_s`` for a message, then apply what has arrived (at
+        most ``max_messages``, so a busy server still lets the screen redraw); the
+        number of batches applied. ``WatchError`` on a message that is not vLLM's."""
         applied = 0
-        while self.socket.poll(int(timeout_s * 1000) if applied == 0 else 0):
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return 0
+        for _ in range(max_messages):
+            if not self.socket.poll(0):
+                break
             frames = self.socket.recv_multipart()
             try:
                 batch = decode_message(frames)
             except ValueError as exc:
-                raise WatchError(f"{self.address}: message {self.batches + 1} is not vLLM's "
-                                 f"KV events: {exc}") from None
+                raise WatchError(f"{self.address}: message {self.received + 1} is not "
+                                 f"vLLM's KV events: {exc}") from None
+            self.received += 1
+            if batch.seq == 0 and self.next_seq and batch.ts != self.seq0_ts:
+                self.restart()          # a new publisher counts from 0: a new server
             applied += self._receive(batch)
         return applied
+
+    def restart(self) -> None:
+        """The server restarted (its sequence began again at 0): its cache is empty."""
+        self.restarts += 1
+        self.index = PrefixCacheIndex()
+        self.next_seq = self.first_seq = None
+        self.missed = 0
 
     def _receive(self, batch: Batch) -> int:
         expected = 0 if self.next_seq is None else self.next_seq
@@ -465,6 +483,8 @@ class Watcher:
         self.missed += batch.seq - expected
         if self.first_seq is None:
             self.first_seq = batch.seq
+        if batch.seq == 0:
+            self.seq0_ts = batch.ts     # the live copy of a replayed batch is no restart
         for event in batch.events:
             self.index.apply(event)
             self.recent.append((batch.seq, event))
@@ -520,7 +540,7 @@ class Watcher:
     def status(self) -> dict:
         return {"endpoint": self.address, "bound": self.binds, "batches": self.batches,
                 "first_seq": self.first_seq, "next_seq": self.next_seq,
-                "missed_batches": self.missed, "events": dict(self.index.counts),
+                "missed_batches": self.missed, "restarts": self.restarts, "events": dict(self.index.counts),
                 "sparse_stores": self.index.sparse_stores,
                 "data_parallel_ranks": sorted(r for r in self.ranks if r is not None),
                 "groups": self.index.summary()}

@@ -1,23 +1,34 @@
 """What ``kvref watch`` draws: a running vLLM's prefix cache, from its KV events.
 
-No vLLM counterpart. ``render_watch`` gives one frame for ``rich.live.Live``
-(or a plain print when not in a terminal): where the watcher listens and what
-has arrived, each KV cache group's cached blocks, every query's hit as it
-stands now (a bar of the prompt, the hit part filled), and the last events::
+No vLLM counterpart. ``render_watch`` gives one frame: where the watcher
+listens and what has arrived, each KV cache group's cached blocks, every
+query's hit as it stands now (a bar of the prompt, the hit part filled), and
+the last events; printed once when not in a terminal::
 
     Console().print(render_watch(watcher, [Query("system prompt", tokens)]))
+
+In a terminal, ``WatchApp`` (Textual, as ``kvref viz``) redraws it four times a
+second while it reads the socket, and asks: ``/`` opens a prompt where typed
+token ids (``1 2 3``) or, with a tokenizer, text become a new query; ``q`` quits.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import time
+from typing import Callable
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.widgets import Footer, Input, Static
 
 from kvref.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvref.watch import Watcher
+from kvref.watch import WatchError, Watcher, parse_tokens
 
 BAR = 24
 
@@ -61,6 +72,9 @@ def render_watch(watcher: Watcher, queries: list[Query]) -> Group:
     else:
         head.append(" (waiting for vLLM's first KV events)", style="dim")
     lines = [head]
+    if status["restarts"]:
+        lines.append(Text(f"the server restarted {status['restarts']} time(s) (its sequence "
+                          "began again at 0): the index starts over", style="yellow"))
     if status["missed_batches"]:
         lines.append(Text(f"{status['missed_batches']} batches were never received (joined "
                           "late or dropped): blocks they stored are not in the index; "
@@ -88,3 +102,88 @@ def render_watch(watcher: Watcher, queries: list[Query]) -> Group:
             recent.append(f"  #{seq} {describe_event(event)}\n")
         lines.append(recent)
     return Group(*lines)
+
+
+class WatchApp(App):
+    """``render_watch`` kept current, and a prompt that adds queries."""
+
+    TITLE = "kvref watch"
+    AUTO_FOCUS = None
+    CSS = """
+    #view { padding: 0 1; }
+    #prompt { dock: bottom; display: none; }
+    #prompt.shown { display: block; }
+    """
+    BINDINGS = [Binding("slash", "ask", "ask about a prompt", key_display="/"),
+                Binding("escape", "close_prompt", "cancel", show=False),
+                Binding("q", "quit", "quit")]
+
+    def __init__(self, watcher: Watcher, queries: list[Query], *,
+                 duration_s: float | None = None, max_batches: int | None = None,
+                 tokenize: Callable[[str], list[int]] | None = None) -> None:
+        super().__init__()
+        self.watcher, self.queries, self.tokenize = watcher, list(queries), tokenize
+        self.deadline = None if duration_s is None else time.monotonic() + duration_s
+        self.max_batches = max_batches
+        self.error: str | None = None
+        self.message = ""
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Static(id="view")
+        yield Input(id="prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.redraw()
+        self.set_interval(0.25, self.tick)
+
+    def tick(self) -> None:
+        try:
+            self.watcher.poll(0)
+        except WatchError as exc:
+            self.error = str(exc)
+            self.exit()
+            return
+        done = (self.deadline is not None and time.monotonic() >= self.deadline) or \
+            (self.max_batches is not None and self.watcher.batches >= self.max_batches)
+        if done:
+            self.exit()
+        else:
+            self.redraw()
+
+    def redraw(self) -> None:
+        parts = [render_watch(self.watcher, self.queries)]
+        if self.message:
+            parts.append(Text(self.message, style="yellow"))
+        self.query_one("#view", Static).update(Group(*parts))
+
+    def action_ask(self) -> None:
+        prompt = self.query_one("#prompt", Input)
+        prompt.placeholder = ("token ids (1 2 3)" + (" or text" if self.tokenize else "") +
+                              " · Enter to ask, Esc to cancel")
+        prompt.value = ""
+        prompt.add_class("shown")
+        prompt.focus()
+
+    def action_close_prompt(self) -> None:
+        self.query_one("#prompt", Input).remove_class("shown")
+        self.set_focus(None)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        value = event.value.strip()
+        self.action_close_prompt()
+        if not value:
+            return
+        try:
+            tokens = parse_tokens(value)
+        except ValueError:
+            if self.tokenize is None:
+                self.message = (f"{value[:30]!r} is not token ids; text needs --tokenizer "
+                                "(the served model's tokenizer folder)")
+                self.redraw()
+                return
+            tokens = self.tokenize(value)
+        self.queries.append(Query(f"asked {len(self.queries) + 1}", tokens))
+        self.message = ""
+        self.redraw()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import msgspec  # noqa: E402
 import zmq  # noqa: E402  (in the test extra: CI installs it)
 
 from kvref.watch import PrefixCacheIndex, WatchError, Watcher, decode_message  # noqa: E402
@@ -138,19 +139,28 @@ def test_a_late_watcher_counts_the_batches_it_never_saw():
         pub.close(0)
 
 
-def test_a_duplicate_batch_is_applied_once():
+def test_a_duplicate_batch_is_applied_once_and_a_restarted_server_starts_a_new_index():
+    frames = frames_of("full")
     index_once = PrefixCacheIndex()
-    frames = frames_of("full")[:3]
-    for frame in frames:
+    for frame in frames[:3]:
         for event in decode_message(frame).events:
             index_once.apply(event)
     port = free_port()
     with Watcher(f"tcp://127.0.0.1:{port}") as watcher:
         pub = sender(f"tcp://127.0.0.1:{port}", watcher)
-        for frame in [frames[0], frames[1], frames[1], frames[2]]:
+        for frame in [frames[0], frames[1], frames[1], frames[0], frames[2]]:
             pub.send_multipart(frame)
         drain(watcher, 2)
         assert watcher.index.blocks == index_once.blocks and watcher.batches == 3
+        assert watcher.restarts == 0
+        # A new server process: its publisher counts from 0 again, at a later time.
+        seq, ts, events, rank = decode_message(frames[0])
+        restarted = msgspec.msgpack.encode([ts + 60, [], rank])
+        pub.send_multipart([b"", (0).to_bytes(8, "big"), restarted])
+        deadline = time.monotonic() + DEADLINE_S
+        while watcher.restarts == 0 and time.monotonic() < deadline:
+            watcher.poll(0.2)
+        assert watcher.restarts == 1 and watcher.next_seq == 1 and not watcher.index.blocks and watcher.missed == 0
         pub.close(0)
 
 
@@ -330,3 +340,44 @@ def test_a_text_prompt_without_a_tokenizer_is_one_line():
     code, out, err = finish(kvref("watch", f"tcp://127.0.0.1:{free_port()}",
                                   "--prompt", "hello there"))
     assert code == 2 and "give --tokenizer" in err and "Traceback" not in err
+
+
+def test_the_terminal_view_follows_the_events_and_asks_about_a_typed_prompt():
+    import asyncio
+
+    from kvref.viz.watch import Query, WatchApp
+
+    recorded = RECORDED["workloads"]["full"]
+    checkpoint = recorded["checkpoints"][2]
+    frames, port = frames_of("full")[:checkpoint["after_seq"] + 1], free_port()
+    (known, known_hit), (typed, typed_hit) = checkpoint["probes"][0], checkpoint["probes"][-1]
+
+    def screen(app) -> str:
+        return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+    async def main(watcher, pub):
+        app = WatchApp(watcher, [Query("system", known)], duration_s=DEADLINE_S)
+        async with app.run_test(size=(100, 40)) as pilot:
+            for frame in frames:
+                pub.send_multipart(frame)
+            deadline = time.monotonic() + DEADLINE_S
+            while watcher.batches < len(frames) and time.monotonic() < deadline:
+                await pilot.pause(0.1)
+            await pilot.pause(0.3)
+            before = screen(app)
+            await pilot.press("slash")
+            await pilot.press(*" ".join(map(str, typed)), "enter")
+            await pilot.pause(0.3)
+            after = screen(app)
+            await pilot.press("q")
+        return before, after
+
+    with Watcher(f"tcp://127.0.0.1:{port}") as watcher:
+        pub = sender(f"tcp://127.0.0.1:{port}", watcher)
+        before, after = asyncio.run(main(watcher, pub))
+        pub.close(0)
+    assert f"{len(frames)} batches" in before
+    row = next(line for line in before.splitlines() if line.lstrip().startswith("system"))
+    assert row.split()[1:3] == [str(len(known)), str(known_hit)]
+    row = next(line for line in after.splitlines() if line.lstrip().startswith("asked 2"))
+    assert row.split()[2:4] == [str(len(typed)), str(typed_hit)]
