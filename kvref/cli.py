@@ -5,7 +5,7 @@
     kvref record --workload W -o FILE                       write a kvtrace/1 trace
     kvref explain TRACE --op N                              why op N did what it did
     kvref replay PATH...                                    replay traces, compare with vLLM's
-    kvref watch ENDPOINT [--query TOKENS]                   a running vLLM's cache, from its KV events
+    kvref watch ENDPOINT [--query TOKENS]                   a running vLLM's cache, live
     kvref --version                                         (also: python -m kvref ...)
 
 Workloads: the walk-throughs ``prefix-caching`` (the default demo) and
@@ -425,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "vLLM was given: vLLM binds tcp://*:PORT and ipc:// endpoints (the "
                          "watcher connects, to --host) and connects to tcp://HOST:PORT (the "
                          "watcher binds there). Stops after --duration or --batches, or on "
-                         "Ctrl-C, and prints the index and answers (--json for scripts).")
+                         "Ctrl-C (in a terminal also q; / asks about a typed prompt), and "
+                         "prints the index and answers (--json for scripts).")
     wat.add_argument("endpoint", help="vLLM's kv-events endpoint, e.g. tcp://*:5557")
     wat.add_argument("--host", default="127.0.0.1",
                      help="the server's address when it binds (tcp://*:PORT); default 127.0.0.1")

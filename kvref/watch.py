@@ -540,7 +540,8 @@ class Watcher:
     def status(self) -> dict:
         return {"endpoint": self.address, "bound": self.binds, "batches": self.batches,
                 "first_seq": self.first_seq, "next_seq": self.next_seq,
-                "missed_batches": self.missed, "restarts": self.restarts, "events": dict(self.index.counts),
+                "missed_batches": self.missed, "restarts": self.restarts,
+                "events": dict(self.index.counts),
                 "sparse_stores": self.index.sparse_stores,
                 "data_parallel_ranks": sorted(r for r in self.ranks if r is not None),
                 "groups": self.index.summary()}

@@ -7,7 +7,7 @@ runs), ``explain`` (why an op did what it did), ``interactive`` (stepping by
 typed commands), ``app`` (the full-screen viewer, Textual), ``details`` (one
 block or request as the replayed manager holds it), ``html_player`` (the whole
 trace as one offline HTML page, and ``Player`` for notebooks), ``demo`` (the
-demo's pacing).
+demo's pacing), ``watch`` (what ``kvref watch`` shows of a running vLLM).
 """
 
 from kvref.viz.panels import render_frame, render_pool
