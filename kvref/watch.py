@@ -4,7 +4,7 @@ No vLLM counterpart: this is the other end of vLLM 0.25.1's
 ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py:278``), what a KV-aware
 router runs. vLLM sends one ZMQ message per engine step with cache events::
 
-    [topic, seq (8 bytes, big-endian), payload]                  kv_events.py:437-438
+    [topic, seq (8 bytes, big-endian), payload]                  kv_events.py:434-438
     payload = msgpack [ts, [event, ...], data_parallel_rank]     an array: kv_events.py:25-33
     event   = msgpack map {"type": "BlockStored", ...}           tagged: kv_events.py:36-41
 
@@ -16,7 +16,7 @@ keeps: ``(group_idx, hash) -> copies``, exactly the pool's index.
 
 To answer "would this prompt hit, and how far?" the index must hash a prompt as
 the server does, and a server started without ``PYTHONHASHSEED`` seeds its hash
-chain with random bytes (``vllm/v1/core/kv_cache_utils.py``, ``init_none_hash``).
+chain with random bytes (``vllm/v1/core/kv_cache_utils.py:111-112``, ``init_none_hash``).
 So it learns the hashes from the events instead: a dense ``BlockStored`` names
 each block's tokens, its parent's hash and its own hash, enough to walk a
 prompt's chain of hashes block by block with no seed at all::

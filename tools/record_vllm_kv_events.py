@@ -23,13 +23,15 @@ to ZMQ's slow-joiner window. The file (``kvevents/1``):
 
 - ``workloads``: one entry per model (``full``: one full-attention group;
   ``hybrid``: full attention plus a Mamba group in ``align`` mode, whose stores
-  are sparse, ``tutorials/11_kv_events.py``), each with
+  are sparse, ``tutorials/11_kv_events.py``; ``bytes-hashes``: one full-attention
+  group, events with 32-byte hashes), each with
 - ``frames``: the publisher's multipart messages ``[topic, seq, payload]``,
   hex, in sequence order;
 - ``checkpoints``: after batch ``after_seq``, the pool's prefix-cache index as
   events name it (``[group, hash, copies]``, from vLLM's
-  ``cached_block_hash_to_block``) and ``probes``: ``[prompt, hit tokens]`` as
-  vLLM's ``get_computed_blocks`` answers for a new request with that prompt.
+  ``cached_block_hash_to_block``; a bytes hash as hex) and ``probes``:
+  ``[prompt, hit tokens]`` as vLLM's ``get_computed_blocks`` answers for a new
+  request with that prompt.
 
 Runs with ``PYTHONHASHSEED=0`` when recording (it re-executes itself so) so
 that a re-recording gives the same hashes; the watcher does not need the seed.
@@ -51,6 +53,10 @@ BLOCK_SIZE = 4
 WORKLOADS = {
     "full": {"groups": ["full"], "num_blocks": 40, "seed": 11, "num_requests": 40},
     "hybrid": {"groups": ["full", "mamba"], "num_blocks": 80, "seed": 12, "num_requests": 30},
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: events carry the whole 32-byte hashes
+    # (vllm/v1/core/kv_cache_utils.py:79-82); the file writes them as hex.
+    "bytes-hashes": {"groups": ["full"], "num_blocks": 24, "seed": 13, "num_requests": 20,
+                     "env": {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0"}},
 }
 
 
@@ -122,6 +128,17 @@ class Driver:
             return last_cache - computed
         return n
 
+    def checkpoint(self, checkpoint, seq: int, systems: list, finished: list) -> None:
+        """The pool's index, and vLLM's hit for each probe prompt, after batch ``seq``."""
+        probes = [s + [7, 7, 7, 7, 7] for s in systems] + \
+                 [list(r.all_token_ids) + [5] for r in finished[-3:]]
+        if finished:
+            tokens = list(finished[-1].all_token_ids)
+            probes += [tokens[:k] + [5] for k in range(BLOCK_SIZE, len(tokens), BLOCK_SIZE)]
+        answers = [[p, self.manager.get_computed_blocks(self.request("probe", p))[1]]
+                   for p in probes]
+        checkpoint(seq, self.pool_index(), answers)
+
     def run(self, publish, checkpoint) -> int:
         """Serve the workload; ``publish(events)`` per step with events,
         ``checkpoint(seq, index, probes)`` every few batches. Returns the batch count."""
@@ -175,16 +192,9 @@ class Driver:
                 continue
             publish(events)
             seq += 1
-            if seq % 5 == 0 or not (waiting or running):
-                probes = [s + [7, 7, 7, 7, 7] for s in systems] + \
-                         [list(r.all_token_ids) + [5] for r in finished[-3:]]
-                if finished:
-                    tokens = list(finished[-1].all_token_ids)
-                    probes += [tokens[:k] + [5] for k in range(BLOCK_SIZE, len(tokens),
-                                                               BLOCK_SIZE)]
-                answers = [[p, manager.get_computed_blocks(self.request("probe", p))[1]]
-                           for p in probes]
-                checkpoint(seq, self.pool_index(), answers)
+            if seq % 5 == 0:
+                self.checkpoint(checkpoint, seq, systems, finished)
+        self.checkpoint(checkpoint, seq, systems, finished)        # after the last batch
         return seq + 1
 
 
@@ -194,10 +204,19 @@ def serve(v: dict, workload: dict, endpoint: str, replay_endpoint: str | None):
     publisher = v["ZmqEventPublisher"](0, endpoint=endpoint, replay_endpoint=replay_endpoint)
     checkpoints = []
     driver = Driver(v, workload)
-    count = driver.run(
-        lambda events: publisher.publish(v["KVEventBatch"](ts=time.time(), events=events)),
-        lambda seq, index, probes: checkpoints.append(
-            {"after_seq": seq, "index": index, "probes": probes}))
+    saved = {name: os.environ.get(name) for name in workload.get("env", {})}
+    os.environ.update(workload.get("env", {}))
+    try:
+        count = driver.run(
+            lambda events: publisher.publish(v["KVEventBatch"](ts=time.time(), events=events)),
+            lambda seq, index, probes: checkpoints.append(
+                {"after_seq": seq, "index": index, "probes": probes}))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
     return publisher, count, checkpoints
 
 
