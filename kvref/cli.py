@@ -279,8 +279,11 @@ def cmd_replay(args, console: Console) -> int:
 
 
 def cmd_watch(args, console: Console) -> int:
+    from contextlib import ExitStack
+
     from kvref.viz.watch import Query
-    from kvref.watch import WatchError, Watcher, load_tokenizer, read_queries
+    from kvref.watch import (WatchError, Watcher, load_tokenizer, rank_endpoint, read_queries,
+                             watch_all)
 
     try:
         tokenize = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
@@ -288,47 +291,58 @@ def cmd_watch(args, console: Console) -> int:
                    read_queries(args.query or [], args.query_file, args.prompt or [], tokenize)]
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    for name, value in (("--duration", args.duration), ("--batches", args.batches)):
+    for name, value in (("--duration", args.duration), ("--batches", args.batches),
+                        ("--data-parallel-size", args.data_parallel_size)):
         if value is not None and value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
-    try:
-        watcher = Watcher(args.endpoint, host=args.host, topic=args.topic,
-                          replay_endpoint=args.replay)
-    except WatchError as exc:
-        raise UsageError(str(exc)) from None
     live = console.is_terminal and not args.json
+    watchers = []
     try:
-        with watcher:
+        with ExitStack() as stack:
+            for rank in range(args.data_parallel_size):
+                replay = None if args.replay is None else rank_endpoint(args.replay, rank)
+                watchers.append(stack.enter_context(Watcher(
+                    rank_endpoint(args.endpoint, rank), host=args.host, topic=args.topic,
+                    replay_endpoint=replay)))
             if live:
                 from kvref.viz.watch import WatchApp
 
-                app = WatchApp(watcher, queries, duration_s=args.duration,
+                app = WatchApp(watchers, queries, duration_s=args.duration,
                                max_batches=args.batches, tokenize=tokenize)
                 app.run()
                 queries = app.queries
                 if app.error is not None:
                     raise WatchError(app.error)
             else:
-                watcher.run(duration_s=args.duration, max_batches=args.batches)
-            _watch_report(watcher, queries, args.json, console)
+                watch_all(watchers, duration_s=args.duration, max_batches=args.batches)
+            _watch_report(watchers, queries, args.json, console)
     except WatchError as exc:
         raise UsageError(str(exc)) from None
     except KeyboardInterrupt:
-        _watch_report(watcher, queries, args.json, console)
+        if watchers:
+            _watch_report(watchers, queries, args.json, console)
     return 0
 
 
-def _watch_report(watcher, queries, as_json: bool, console: Console) -> None:
+def _watch_report(watchers, queries, as_json: bool, console: Console) -> None:
     import json
 
-    from kvref.viz.watch import render_watch
+    from kvref.viz.watch import best_answer, render_watch
 
-    if as_json:
-        answers = [{"query": q.name, **watcher.index.query(q.tokens)._asdict()} for q in queries]
-        print(json.dumps({**watcher.status(), "queries": answers}))
+    if not as_json:
+        console.print(render_watch(watchers, queries))
+        return
+    answers = []
+    for q in queries:
+        rank, by_rank = best_answer(watchers, q.tokens)
+        answers.append({"query": q.name, **by_rank[rank]._asdict()})
+        if len(watchers) > 1:
+            answers[-1].update(best_rank=rank, hit_tokens_by_rank=[a.hit_tokens for a in by_rank])
+    if len(watchers) == 1:
+        print(json.dumps({**watchers[0].status(), "queries": answers}))
     else:
-        console.print(render_watch(watcher, queries))
-
+        print(json.dumps({"data_parallel_size": len(watchers),
+                          "ranks": [w.status() for w in watchers], "queries": answers}))
 
 def _n(count: int, word: str) -> str:
     return f"{count} {word if count == 1 else word + 's'}"
@@ -434,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="vLLM's replay_endpoint: fetch batches sent before the watcher "
                      "started or lost on the way")
     wat.add_argument("--topic", default="", help="vLLM's kv-events topic (default: none)")
+    wat.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                     help="vLLM's data parallel size: rank r publishes on PORT + r with its "
+                     "own cache; each is watched, and a query says which rank hits most")
     wat.add_argument("--query", action="append", metavar="TOKENS",
                      help="token ids of a prompt, e.g. '1 2 3' or '[1, 2, 3]' (repeatable)")
     wat.add_argument("--prompt", action="append", metavar="TEXT",

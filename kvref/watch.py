@@ -355,6 +355,44 @@ def import_zmq():
     return zmq
 
 
+# -- data parallel: one publisher, one cache, per rank ----------------------------------
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where data-parallel rank ``rank`` publishes, given the endpoint vLLM was
+    given: the TCP port plus the rank (``kv_events.py:471-502``; vLLM accepts
+    only tcp:// and inproc:// endpoints with more than one rank)."""
+    if rank == 0:
+        return endpoint
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[len("tcp://"):]:
+        raise WatchError(f"{endpoint}: with data parallel ranks vLLM publishes only on "
+                         "tcp://HOST:PORT endpoints, rank r on PORT + r")
+    base, port = endpoint.rsplit(":", 1)
+    if not port.isdigit():
+        raise WatchError(f"{endpoint}: no port (tcp://HOST:PORT, e.g. tcp://*:5557)")
+    return f"{base}:{int(port) + rank}"
+
+
+def watch_all(watchers: list, *, duration_s: float | None = None,
+              max_batches: int | None = None, tick_s: float = 0.25) -> None:
+    """Poll every watcher until ``duration_s`` has passed or they applied
+    ``max_batches`` batches between them."""
+    zmq = import_zmq()
+    poller = zmq.Poller()
+    for watcher in watchers:
+        poller.register(watcher.socket, zmq.POLLIN)
+    start = time.monotonic()
+    while True:
+        left = None if duration_s is None else duration_s - (time.monotonic() - start)
+        if (left is not None and left <= 0) or \
+                (max_batches is not None and sum(w.batches for w in watchers) >= max_batches):
+            return
+        wait = tick_s if left is None else max(0.0, min(tick_s, left))
+        if poller.poll(int(wait * 1000)):
+            for watcher in watchers:
+                watcher.poll(0)
+
+
 # -- the socket -------------------------------------------------------------------------
 
 
@@ -407,7 +445,7 @@ class Watcher:
         self.missed = 0                   # batches never received (seq gaps)
         self.first_seq: int | None = None
         self.ranks: set = set()
-        self.recent: deque = deque(maxlen=8)
+        self.recent: deque = deque(maxlen=8)      # (ts, seq, event), the latest
         self.last_ts: float | None = None
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.SUB)
@@ -487,7 +525,7 @@ class Watcher:
             self.seq0_ts = batch.ts     # the live copy of a replayed batch is no restart
         for event in batch.events:
             self.index.apply(event)
-            self.recent.append((batch.seq, event))
+            self.recent.append((batch.ts, batch.seq, event))
         self.next_seq = batch.seq + 1
         self.batches += 1
         self.ranks.add(batch.data_parallel_rank)
@@ -524,18 +562,9 @@ class Watcher:
         return applied
 
     def run(self, *, duration_s: float | None = None, max_batches: int | None = None,
-            on_update: Callable[["Watcher"], None] | None = None,
             tick_s: float = 0.25) -> None:
         """Poll until ``duration_s`` has passed or ``max_batches`` were applied."""
-        start = time.monotonic()
-        while True:
-            left = None if duration_s is None else duration_s - (time.monotonic() - start)
-            if (left is not None and left <= 0) or \
-                    (max_batches is not None and self.batches >= max_batches):
-                return
-            self.poll(tick_s if left is None else max(0.0, min(tick_s, left)))
-            if on_update is not None:
-                on_update(self)
+        watch_all([self], duration_s=duration_s, max_batches=max_batches, tick_s=tick_s)
 
     def status(self) -> dict:
         return {"endpoint": self.address, "bound": self.binds, "batches": self.batches,

@@ -28,6 +28,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Footer, Input, Static
 
 from kvref.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvref.viz.panels import plural
 from kvref.watch import WatchError, Watcher, parse_tokens
 
 BAR = 24
@@ -58,50 +59,76 @@ def describe_event(event) -> str:
     return type(event).__name__
 
 
-def render_watch(watcher: Watcher, queries: list[Query]) -> Group:
-    status = watcher.status()
+def best_answer(watchers: list[Watcher], tokens: list[int]):
+    """(rank, answer) of the data-parallel rank that would serve most of the prompt."""
+    answers = [w.index.query(tokens) for w in watchers]
+    rank = max(range(len(answers)), key=lambda r: answers[r].hit_tokens)
+    return rank, answers
+
+
+def render_watch(watchers: Watcher | list[Watcher], queries: list[Query]) -> Group:
+    """One frame; ``watchers``: one, or one per data-parallel rank."""
+    watchers = [watchers] if isinstance(watchers, Watcher) else list(watchers)
+    several = len(watchers) > 1
+    lines = []
+    for rank, watcher in enumerate(watchers):
+        lines += status_lines(watcher.status(), f"rank {rank} " if several else "")
+    groups = Table(title="KV cache groups", title_justify="left", box=None, pad_edge=False)
+    columns = (["rank"] if several else []) + ["group", "kind", "block size", "cached blocks"]
+    for column in columns:
+        groups.add_column(column, justify="left" if column == "kind" else "right")
+    for rank, watcher in enumerate(watchers):
+        for g in watcher.index.summary():
+            groups.add_row(*([str(rank)] if several else []), str(g["group"]), str(g["kind"]),
+                           str(g["block_size"]), str(g["cached_blocks"]))
+    lines.append(groups)
+    if queries:
+        table = Table(title="would it hit? (a new request with this prompt, now)",
+                      title_justify="left", box=None, pad_edge=False)
+        for column in ["query", "tokens", "hit", ""] + (["best rank", "by rank"] if several
+                                                         else []) + ["note"]:
+            table.add_column(column)
+        for q in queries:
+            rank, answers = best_answer(watchers, q.tokens)
+            best = answers[rank]
+            per_rank = [str(rank), " ".join(str(a.hit_tokens) for a in answers)] if several \
+                else []
+            table.add_row(q.name, str(best.num_tokens), str(best.hit_tokens),
+                          hit_bar(best.hit_tokens, best.num_tokens), *per_rank, best.note)
+        lines.append(table)
+    recent = sorted(((ts, rank, seq, event) for rank, w in enumerate(watchers)
+                     for ts, seq, event in w.recent), key=lambda item: item[:3])[-8:]
+    if recent:
+        text = Text("last events:\n", style="bold")
+        for _ts, rank, seq, event in recent:
+            where = f"rank {rank} " if several else ""
+            text.append(f"  {where}#{seq} {describe_event(event)}\n")
+        lines.append(text)
+    return Group(*lines)
+
+
+def status_lines(status: dict, prefix: str = "") -> list[Text]:
+    """Where one watcher listens, what arrived, and what it may have missed."""
     verb = "bound at" if status["bound"] else "connected to"
-    head = Text.assemble(("kvref watch ", "bold"), f"{verb} {status['endpoint']}: ",
+    head = Text.assemble(("kvref watch ", "bold"), f"{prefix}{verb} {status['endpoint']}: ",
                          (f"{status['batches']} batches", "bold"))
     if status["batches"]:
         counts = status["events"]
         head.append(f" (seq {status['first_seq']}..{status['next_seq'] - 1}); "
                     f"{counts.get('BlockStored', 0)} stored, "
                     f"{counts.get('BlockRemoved', 0)} removed, "
-                    f"{counts.get('AllBlocksCleared', 0)} resets")
+                    f"{plural(counts.get('AllBlocksCleared', 0), 'reset')}")
     else:
         head.append(" (waiting for vLLM's first KV events)", style="dim")
     lines = [head]
     if status["restarts"]:
-        lines.append(Text(f"the server restarted {status['restarts']} time(s) (its sequence "
-                          "began again at 0): the index starts over", style="yellow"))
+        lines.append(Text(f"{prefix}the server restarted {status['restarts']} time(s) (its "
+                          "sequence began again at 0): the index starts over", style="yellow"))
     if status["missed_batches"]:
-        lines.append(Text(f"{status['missed_batches']} batches were never received (joined "
-                          "late or dropped): blocks they stored are not in the index; "
+        lines.append(Text(f"{prefix}{status['missed_batches']} batches were never received "
+                          "(joined late or dropped): blocks they stored are not in the index; "
                           "--replay ENDPOINT fetches them from vLLM", style="yellow"))
-    groups = Table(title="KV cache groups", title_justify="left", box=None, pad_edge=False)
-    for column in ("group", "kind", "block size", "cached blocks"):
-        groups.add_column(column, justify="right" if column != "kind" else "left")
-    for g in status["groups"]:
-        groups.add_row(str(g["group"]), str(g["kind"]), str(g["block_size"]),
-                       str(g["cached_blocks"]))
-    lines.append(groups)
-    if queries:
-        table = Table(title="would it hit? (a new request with this prompt, now)",
-                      title_justify="left", box=None, pad_edge=False)
-        for column in ("query", "tokens", "hit", "", "note"):
-            table.add_column(column)
-        for q in queries:
-            answer = watcher.index.query(q.tokens)
-            table.add_row(q.name, str(answer.num_tokens), str(answer.hit_tokens),
-                          hit_bar(answer.hit_tokens, answer.num_tokens), answer.note)
-        lines.append(table)
-    if watcher.recent:
-        recent = Text("last events:\n", style="bold")
-        for seq, event in watcher.recent:
-            recent.append(f"  #{seq} {describe_event(event)}\n")
-        lines.append(recent)
-    return Group(*lines)
+    return lines
 
 
 class WatchApp(App):
@@ -118,11 +145,12 @@ class WatchApp(App):
                 Binding("escape", "close_prompt", "cancel", show=False),
                 Binding("q", "quit", "quit")]
 
-    def __init__(self, watcher: Watcher, queries: list[Query], *,
+    def __init__(self, watchers: Watcher | list[Watcher], queries: list[Query], *,
                  duration_s: float | None = None, max_batches: int | None = None,
                  tokenize: Callable[[str], list[int]] | None = None) -> None:
         super().__init__()
-        self.watcher, self.queries, self.tokenize = watcher, list(queries), tokenize
+        self.watchers = [watchers] if isinstance(watchers, Watcher) else list(watchers)
+        self.queries, self.tokenize = list(queries), tokenize
         self.deadline = None if duration_s is None else time.monotonic() + duration_s
         self.max_batches = max_batches
         self.error: str | None = None
@@ -140,20 +168,22 @@ class WatchApp(App):
 
     def tick(self) -> None:
         try:
-            self.watcher.poll(0)
+            for watcher in self.watchers:
+                watcher.poll(0)
         except WatchError as exc:
             self.error = str(exc)
             self.exit()
             return
         done = (self.deadline is not None and time.monotonic() >= self.deadline) or \
-            (self.max_batches is not None and self.watcher.batches >= self.max_batches)
+            (self.max_batches is not None and
+             sum(w.batches for w in self.watchers) >= self.max_batches)
         if done:
             self.exit()
         else:
             self.redraw()
 
     def redraw(self) -> None:
-        parts = [render_watch(self.watcher, self.queries)]
+        parts = [render_watch(self.watchers, self.queries)]
         if self.message:
             parts.append(Text(self.message, style="yellow"))
         self.query_one("#view", Static).update(Group(*parts))

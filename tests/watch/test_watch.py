@@ -231,15 +231,56 @@ def test_the_command_without_json_prints_the_picture_once():
     assert "full_attention" in out and "query 1" in out and "stored" in out
 
 
+def test_data_parallel_ranks_are_watched_on_consecutive_ports_each_with_its_cache(tmp_path):
+    # vLLM's rank r publishes on PORT + r (kv_events.py:471-502), its own cache's events.
+    port = free_port()
+    while True:
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port + 1))
+            break
+        except OSError:
+            port = free_port()
+    workloads = ["full", "bytes-hashes"]
+    finals = [RECORDED["workloads"][w]["checkpoints"][-1] for w in workloads]
+    probes = [(rank, prompt, hit) for rank, final in enumerate(finals)
+              for prompt, hit in final["probes"][:4]]
+    queries = tmp_path / "prompts.json"
+    queries.write_text(json.dumps([prompt for _, prompt, _ in probes]))
+    frames = [frames_of(w) for w in workloads]
+    process = kvref("watch", f"tcp://127.0.0.1:{port}", "--data-parallel-size", 2,
+                    "--batches", sum(map(len, frames)), "--duration", 60, "--json",
+                    "--query-file", queries)
+    pubs = [sender(f"tcp://127.0.0.1:{port + rank}") for rank in (0, 1)]
+    for pub, rank_frames in zip(pubs, frames):
+        for frame in rank_frames:
+            pub.send_multipart(frame)
+    code, out, err = finish(process)
+    for pub in pubs:
+        pub.close(0)
+    assert code == 0, err
+    report = json.loads(out)
+    assert [r["endpoint"] for r in report["ranks"]] == [f"tcp://127.0.0.1:{port + r}"
+                                                        for r in (0, 1)]
+    assert [r["batches"] for r in report["ranks"]] == [len(f) for f in frames]
+    for (rank, _, vllm_hit), answer in zip(probes, report["queries"]):
+        by_rank = answer["hit_tokens_by_rank"]
+        assert by_rank[rank] == vllm_hit                  # each rank answers as its vLLM
+        assert answer["hit_tokens"] == max(by_rank) == by_rank[answer["best_rank"]]
+    assert any(a["hit_tokens_by_rank"][0] != a["hit_tokens_by_rank"][1]
+               for a in report["queries"])                # the two caches differ
+
+
 @pytest.mark.parametrize("endpoint, says", [
     ("http://127.0.0.1:5557", "is not a ZMQ endpoint vLLM publishes on"),
     ("tcp://127.0.0.1", "no port"),
     ("tcp://127.0.0.1:99999", "no port"),
     ("inproc://kv", "lives inside the server's process"),
+    ("ipc:///tmp/kv --data-parallel-size 2", "only on tcp://HOST:PORT endpoints"),
     ("tcp://203.0.113.1:5557", "cannot bind tcp://203.0.113.1:5557"),   # not this machine's
 ])
 def test_a_bad_endpoint_is_one_line(endpoint, says):
-    code, out, err = finish(kvref("watch", endpoint, "--duration", 1))
+    code, out, err = finish(kvref("watch", *endpoint.split(), "--duration", 1))
     assert code == 2 and says in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
 
