@@ -417,9 +417,11 @@ def watcher_address(endpoint: str, host: str = "127.0.0.1") -> tuple[str, bool]:
             raise WatchError(f"{endpoint}: no port (tcp://HOST:PORT, e.g. tcp://*:5557)")
     if not server_binds(endpoint):
         return endpoint, True
-    if endpoint.startswith("tcp://"):
-        return f"tcp://{host}:{endpoint.rsplit(':', 1)[1]}", False
-    return endpoint, False
+    server_host, port = endpoint[len("tcp://"):].rsplit(":", 1) if endpoint.startswith(
+        "tcp://") else (None, None)
+    if server_host in ("*", "[::]"):         # every interface: reach it at --host
+        return f"tcp://{host}:{port}", False
+    return endpoint, False                   # ipc://, or one address such as [::1]
 
 
 class Watcher:
@@ -436,6 +438,8 @@ class Watcher:
         zmq = import_zmq()
 
         self.address, self.binds = watcher_address(endpoint, host)
+        replay_address = None if replay_endpoint is None else \
+            watcher_address(replay_endpoint, host)[0]      # vLLM binds it: we connect
         self.index = PrefixCacheIndex()
         self.next_seq: int | None = None
         self.batches = 0                  # applied
@@ -452,12 +456,12 @@ class Watcher:
         self.socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.replay = None
+        self.pending_replays = 0          # replay requests not answered to the end yet
         try:
             if "[" in self.address:
                 self.socket.setsockopt(zmq.IPV6, 1)
             (self.socket.bind if self.binds else self.socket.connect)(self.address)
-            if replay_endpoint is not None:
-                replay_address, _ = watcher_address(replay_endpoint, host)
+            if replay_address is not None:
                 self.replay = self.context.socket(zmq.DEALER)
                 self.replay.setsockopt(zmq.LINGER, 0)
                 self.replay.connect(replay_address)
@@ -465,7 +469,6 @@ class Watcher:
             self.close()
             verb = "bind" if self.binds else "connect to"
             raise WatchError(f"cannot {verb} {self.address}: {exc}") from None
-        self.pending_replays = 0          # replay requests not answered to the end yet
         self.catch_up()
 
     def close(self) -> None:

@@ -26,7 +26,8 @@ import pytest
 import msgspec  # noqa: E402
 import zmq  # noqa: E402  (in the test extra: CI installs it)
 
-from kvref.watch import PrefixCacheIndex, WatchError, Watcher, decode_message  # noqa: E402
+from kvref.watch import (PrefixCacheIndex, WatchError, Watcher, decode_message,  # noqa: E402
+                         server_binds, watcher_address)
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = json.loads(gzip.decompress(
@@ -324,6 +325,22 @@ def test_a_foreign_message_is_one_line(message, says):
 def test_bad_queries_and_limits_are_one_line(args, says):
     code, out, err = finish(kvref("watch", f"tcp://127.0.0.1:{free_port()}", *args))
     assert code == 2 and says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("server, watcher", [
+    ("tcp://*:5557", ("tcp://127.0.0.1:5557", False)),      # vLLM's default: it binds
+    ("tcp://[::]:5557", ("tcp://127.0.0.1:5557", False)),
+    ("tcp://[::1]:5557", ("tcp://[::1]:5557", False)),       # binds one address: go there
+    ("ipc:///run/kv", ("ipc:///run/kv", False)),
+    ("tcp://127.0.0.1:5557", ("tcp://127.0.0.1:5557", True)),  # vLLM connects: we bind
+])
+def test_the_watcher_does_what_vllms_publisher_does_not(server, watcher):
+    assert watcher_address(server) == watcher
+    assert server_binds(server) == (not watcher[1])
+
+
+def test_a_server_on_another_machine_that_binds_is_reached_at_host():
+    assert watcher_address("tcp://*:5557", host="10.1.2.3") == ("tcp://10.1.2.3:5557", False)
 
 
 def test_the_watch_api_refuses_a_bad_endpoint_with_watch_error():
