@@ -14,10 +14,8 @@ token ids (``1 2 3``) or, with a tokenizer, text become a new query; ``q`` quits
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from rich.console import Group
 from rich.table import Table
@@ -49,11 +47,11 @@ def describe_event(event) -> str:
     if isinstance(event, BlockStored):
         sparse = len(event.token_ids) != event.block_size * len(event.block_hashes)
         first = event.token_ids[:4]
-        return (f"stored {len(event.block_hashes)} block(s) in group {event.group_idx}, "
+        return (f"stored {plural(len(event.block_hashes), 'block')} in group {event.group_idx}, "
                 f"tokens {first}{'...' if len(event.token_ids) > 4 else ''}"
                 f"{' (sparse)' if sparse else ''}")
     if isinstance(event, BlockRemoved):
-        return f"removed {len(event.block_hashes)} block(s) from group {event.group_idx}"
+        return f"removed {plural(len(event.block_hashes), 'block')} from group {event.group_idx}"
     if isinstance(event, AllBlocksCleared):
         return "prefix cache reset: everything cleared"
     return type(event).__name__
