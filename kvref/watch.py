@@ -19,7 +19,10 @@ the server does, and a server started without ``PYTHONHASHSEED`` seeds its hash
 chain with random bytes (``vllm/v1/core/kv_cache_utils.py:111-112``, ``init_none_hash``).
 So it learns the hashes from the events instead: a dense ``BlockStored`` names
 each block's tokens, its parent's hash and its own hash, enough to walk a
-prompt's chain of hashes block by block with no seed at all::
+prompt's chain of hashes block by block with no seed at all. The hit itself is
+kvref's own search (``HybridKVCacheCoordinator``'s fixed point over full
+attention, sliding window and Mamba groups), asked of a pool that answers from
+the index (``IndexLookup``)::
 
     >>> from kvref.kv_events import BlockStored
     >>> index = PrefixCacheIndex()
@@ -46,8 +49,8 @@ from typing import Any, Callable, NamedTuple
 from kvref.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
-# Group kinds whose hit is their leading run of cached blocks (vLLM's
-# KVCacheSpecKind values, vllm/v1/kv_cache_interface.py:86-96).
+# Group kinds whose hit is their leading run of cached blocks, whose dense stores
+# teach the chain of hashes (vLLM's KVCacheSpecKind, vllm/v1/kv_cache_interface.py:86-96).
 PREFIX_KINDS = ("full_attention", "mla_attention")
 END_SEQ = -1                 # the replay socket's last message (kv_events.py:303, 469)
 
@@ -131,29 +134,44 @@ class GroupInfo:
 
 class Answer(NamedTuple):
     """How far a prompt would hit: ``hit_tokens`` of ``num_tokens``; ``runs``: per
-    group, the leading run of its blocks cached; ``note``: what the answer leaves out."""
+    modelled group, how many of the prompt's leading blocks it holds; ``note``: what
+    the answer leaves out."""
     num_tokens: int
     hit_tokens: int
     runs: dict[int, int]
     note: str = ""
 
 
-def hit_tokens(num_tokens: int, block_size: int, group_kinds: dict[int, str | None],
-               cached: Callable[[int, int], bool]) -> int:
-    """Lesson 11's hit rule over groups sharing one block size: the prefix groups'
-    leading run of cached blocks, never past ``num_tokens - 1`` (the last token is
-    always computed), then for a Mamba group back to its rightmost cached state
-    within the run (lesson 07). ``cached(group, i)``: is block ``i`` cached there."""
-    max_blocks = (num_tokens - 1) // block_size
-    prefix = [g for g, kind in group_kinds.items() if kind in PREFIX_KINDS]
-    run = 0
-    while run < max_blocks and all(cached(g, run) for g in prefix):
-        run += 1
-    for g, kind in group_kinds.items():
-        if kind == "mamba":
-            while run > 0 and not cached(g, run - 1):
-                run -= 1
-    return run * block_size
+def spec_of(info: GroupInfo):
+    """kvref's spec for a group as events describe it (kind, block size, window);
+    None for kinds whose hit the events cannot pin down (chunked local attention:
+    no chunk size in events; cross and encoder-only attention: never hit)."""
+    from kvref.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    if info.kind in PREFIX_KINDS:
+        return FullAttentionSpec(info.block_size)
+    if info.kind in ("sliding_window", "sliding_window_mla") and info.sliding_window:
+        return SlidingWindowSpec(info.block_size, sliding_window=info.sliding_window)
+    if info.kind == "mamba":      # the hit search is the same in "all" and "align"
+        return MambaSpec(info.block_size, mamba_cache_mode="align")
+    return None
+
+
+class IndexLookup:
+    """The two things kvref's hit search asks a block pool, answered from an index:
+    ``get_cached_block(hash, group_ids)`` (a stand-in block per group, or None)
+    and ``null_block``. ``groups[i]`` is the vLLM group of the coordinator's group i."""
+
+    null_block = "null"
+
+    def __init__(self, blocks: Counter, groups: list[int]) -> None:
+        self.blocks, self.groups = blocks, groups
+
+    def get_cached_block(self, block_hash, group_ids: list[int]):
+        if block_hash is None or any((self.groups[i], block_hash) not in self.blocks
+                                     for i in group_ids):
+            return None
+        return ["cached"] * len(group_ids)
 
 
 @dataclass
@@ -173,6 +191,7 @@ class PrefixCacheIndex:
     holders: Counter = field(default_factory=Counter)      # hash -> copies, all groups
     counts: Counter = field(default_factory=Counter)       # event type -> how many
     sparse_stores: int = 0
+    coordinator_for: tuple | None = None                   # (groups, kvref coordinator)
 
     def apply(self, event: KVCacheEvent) -> None:
         self.counts[type(event).__name__] += 1
@@ -234,34 +253,51 @@ class PrefixCacheIndex:
         return hashes
 
     def query(self, tokens: list[int]) -> Answer:
-        """How many tokens of ``tokens``, sent as a new request, the cache would serve."""
+        """How many tokens of ``tokens``, sent as a new request, the cache would serve:
+        kvref's own hit search (the coordinator's, vLLM's rule for every group kind
+        below) run on a pool that answers from this index."""
         if not self.groups:
             return Answer(len(tokens), 0, {}, "no block stored yet")
-        sizes = {info.block_size for info in self.groups.values()}
-        size = min(sizes)
-        kinds = {g: info.kind for g, info in self.groups.items() if info.block_size == size}
+        size = min(info.block_size for info in self.groups.values())
+        modelled = {g: info for g, info in sorted(self.groups.items())
+                    if info.block_size == size and spec_of(info) is not None}
         hashes = self.prompt_hashes(tokens, size)
-
-        def cached(g: int, i: int) -> bool:
-            return i < len(hashes) and (g, hashes[i]) in self.blocks
-
         runs = {}
-        for g in sorted(kinds):
+        for g in modelled:
             run = 0
-            while cached(g, run):
+            while run < len(hashes) and (g, hashes[run]) in self.blocks:
                 run += 1
             runs[g] = run
-        left_out = sorted(g for g, info in self.groups.items()
-                          if info.block_size != size or
-                          info.kind not in PREFIX_KINDS + ("mamba",))
+        left_out = [g for g in self.groups if g not in modelled]
         note = ""
         if left_out:
             note = "at most: groups " + ", ".join(
                 f"{g} ({self.groups[g].kind}, block {self.groups[g].block_size})"
                 for g in left_out) + " are not modelled"
-        elif not any(kind in PREFIX_KINDS for kind in kinds.values()):
+        elif not any(info.kind in PREFIX_KINDS for info in modelled.values()):
             note = "no full-attention group: the chain of hashes cannot be learned"
-        return Answer(len(tokens), hit_tokens(len(tokens), size, kinds, cached), runs, note)
+        if not modelled or len(tokens) < 2:
+            return Answer(len(tokens), 0, runs, note)
+        coordinator = self._coordinator(tuple(modelled.items()), size)
+        coordinator.block_pool = IndexLookup(self.blocks, list(modelled))
+        padded = hashes + [None] * (len(tokens) // size - len(hashes))
+        _, hit = coordinator.find_longest_cache_hit(padded, len(tokens) - 1)
+        return Answer(len(tokens), hit, runs, note)
+
+    def _coordinator(self, groups: tuple, block_size: int):
+        """kvref's coordinator for these groups (its pool is replaced per query)."""
+        if self.coordinator_for and self.coordinator_for[0] == groups:
+            return self.coordinator_for[1]
+        from kvref.core.kv_cache_manager import KVCacheManager
+        from kvref.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+        config = KVCacheConfig(4, [KVCacheGroupSpec([f"layer.{g}"], spec_of(info))
+                                   for g, info in groups])
+        manager = KVCacheManager(config, max_model_len=1 << 30,
+                                 scheduler_block_size=block_size,
+                                 hash_block_size=block_size, enable_caching=True)
+        self.coordinator_for = (groups, manager.coordinator)
+        return manager.coordinator
 
     def summary(self) -> list[dict]:
         """Per group: kind, block size, cached blocks (copies counted)."""

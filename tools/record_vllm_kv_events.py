@@ -23,8 +23,9 @@ to ZMQ's slow-joiner window. The file (``kvevents/1``):
 
 - ``workloads``: one entry per model (``full``: one full-attention group;
   ``hybrid``: full attention plus a Mamba group in ``align`` mode, whose stores
-  are sparse, ``tutorials/11_kv_events.py``; ``bytes-hashes``: one full-attention
-  group, events with 32-byte hashes), each with
+  are sparse, ``tutorials/11_kv_events.py``; ``swa``: full attention plus a
+  sliding window of 8 tokens; ``bytes-hashes``: one full-attention group, events
+  with 32-byte hashes), each with
 - ``frames``: the publisher's multipart messages ``[topic, seq, payload]``,
   hex, in sequence order;
 - ``checkpoints``: after batch ``after_seq``, the pool's prefix-cache index as
@@ -50,9 +51,12 @@ from collections import Counter, deque
 from pathlib import Path
 
 BLOCK_SIZE = 4
+SLIDING_WINDOW = 8
 WORKLOADS = {
     "full": {"groups": ["full"], "num_blocks": 40, "seed": 11, "num_requests": 40},
     "hybrid": {"groups": ["full", "mamba"], "num_blocks": 80, "seed": 12, "num_requests": 30},
+    "swa": {"groups": ["full", "sliding_window"], "num_blocks": 60, "seed": 14,
+            "num_requests": 30},
     # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: events carry the whole 32-byte hashes
     # (vllm/v1/core/kv_cache_utils.py:79-82); the file writes them as hex.
     "bytes-hashes": {"groups": ["full"], "num_blocks": 24, "seed": 13, "num_requests": 20,
@@ -71,7 +75,7 @@ def vllm_modules() -> dict:
                                              get_request_block_hasher, init_none_hash,
                                              maybe_convert_block_hash)
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec, MambaSpec)
+                                            KVCacheGroupSpec, MambaSpec, SlidingWindowSpec)
     from vllm.v1.request import Request, RequestStatus
 
     init_none_hash(sha256)
@@ -88,6 +92,10 @@ class Driver:
             if kind == "full":
                 specs.append(v["FullAttentionSpec"](block_size=BLOCK_SIZE, num_kv_heads=1,
                                                     head_size=1, dtype=v["torch"].float16))
+            elif kind == "sliding_window":
+                specs.append(v["SlidingWindowSpec"](block_size=BLOCK_SIZE, num_kv_heads=1,
+                                                    head_size=1, dtype=v["torch"].float16,
+                                                    sliding_window=SLIDING_WINDOW))
             else:
                 specs.append(v["MambaSpec"](block_size=BLOCK_SIZE, shapes=((1,),),
                                             dtypes=(v["torch"].float16,),

@@ -7,9 +7,9 @@ same rule (``RouterIndex.score``) and differ in what they remember:
 ``TokenTreeIndex`` keeps a prefix tree of its own keys over token slices
 (``skip_sparse=True``: the defence against stores whose slices and hashes do
 not pair up). Lesson 11 feeds them a real manager's events and checks their
-answers against the pool. The hit rule and ``HashIndex``'s memory are
-``kvref.watch``'s (``hit_tokens``, ``PrefixCacheIndex``), the ones ``kvref watch``
-keeps for a running vLLM.
+answers against the pool. ``HashIndex``'s memory is ``kvref.watch``'s
+``PrefixCacheIndex``, the index ``kvref watch`` keeps for a running vLLM (which
+asks kvref's own coordinator for the hit instead of this two-kind rule).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from functools import lru_cache
 from kvref import (AllBlocksCleared, BlockRemoved, BlockStored, Request,
                    get_request_block_hasher, sha256)
 from kvref.core.kv_cache_utils import maybe_convert_block_hash
-from kvref.watch import PrefixCacheIndex, hit_tokens
+from kvref.watch import PrefixCacheIndex
 
 
 class RouterIndex(ABC):
@@ -37,10 +37,16 @@ class RouterIndex(ABC):
         answers from its own memory)"""
 
     def score(self, tokens):
-        # full-attention groups' leading run, a Mamba group's last cached state
-        # within it, never past num_tokens - 1 (the last token is never a hit)
-        return hit_tokens(len(tokens), self.block_size, self.group_kinds,
-                          lambda group, i: self.cached(group, tokens, i))
+        max_blocks = (len(tokens) - 1) // self.block_size   # the last token is never a hit
+        full = [g for g, kind in self.group_kinds.items() if kind == "full_attention"]
+        run = 0
+        while run < max_blocks and all(self.cached(g, tokens, run) for g in full):
+            run += 1
+        for g, kind in self.group_kinds.items():
+            if kind == "mamba":       # the state at the end of the hit must be cached
+                while run > 0 and not self.cached(g, tokens, run - 1):
+                    run -= 1
+        return run * self.block_size
 
 
 @lru_cache(maxsize=4096)

@@ -86,7 +86,7 @@ def as_recorded(blocks: Counter) -> Counter:
                     for (g, h), n in blocks.items()})
 
 
-@pytest.mark.parametrize("workload", ["full", "hybrid", "bytes-hashes"])
+@pytest.mark.parametrize("workload", ["full", "hybrid", "swa", "bytes-hashes"])
 def test_the_watchers_index_is_vllms_pool_and_it_answers_as_vllm_does(workload):
     recorded = RECORDED["workloads"][workload]
     frames, port = frames_of(workload), free_port()
