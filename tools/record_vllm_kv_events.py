@@ -143,6 +143,8 @@ class Driver:
         if finished:
             tokens = list(finished[-1].all_token_ids)
             probes += [tokens[:k] + [5] for k in range(BLOCK_SIZE, len(tokens), BLOCK_SIZE)]
+            # whole blocks: the num_tokens - 1 cap costs the last one (lesson 02)
+            probes += [tokens[:k] for k in range(BLOCK_SIZE, len(tokens), 2 * BLOCK_SIZE)]
         answers = [[p, self.manager.get_computed_blocks(self.request("probe", p))[1]]
                    for p in probes]
         checkpoint(seq, self.pool_index(), answers)
