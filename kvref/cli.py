@@ -5,6 +5,7 @@
     kvref record --workload W -o FILE                       write a kvtrace/1 trace
     kvref explain TRACE --op N                              why op N did what it did
     kvref replay PATH...                                    replay traces, compare with vLLM's
+    kvref watch ENDPOINT [--query TOKENS]                   a running vLLM's cache, live
     kvref --version                                         (also: python -m kvref ...)
 
 Workloads: the walk-throughs ``prefix-caching`` (the default demo) and
@@ -277,6 +278,72 @@ def cmd_replay(args, console: Console) -> int:
     return EXIT_BAD_INPUT if bad else (1 if divergent else 0)
 
 
+def cmd_watch(args, console: Console) -> int:
+    from contextlib import ExitStack
+
+    from kvref.viz.watch import Query
+    from kvref.watch import (WatchError, Watcher, load_tokenizer, rank_endpoint, read_queries,
+                             watch_all)
+
+    try:
+        tokenize = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
+        queries = [Query(name, tokens) for name, tokens in
+                   read_queries(args.query or [], args.query_file, args.prompt or [], tokenize)]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for name, value in (("--duration", args.duration), ("--batches", args.batches),
+                        ("--data-parallel-size", args.data_parallel_size)):
+        if value is not None and value <= 0:
+            raise UsageError(f"{name} must be positive, got {value}")
+    live = console.is_terminal and not args.json
+    watchers = []
+    try:
+        with ExitStack() as stack:
+            for rank in range(args.data_parallel_size):
+                replay = None if args.replay is None else rank_endpoint(args.replay, rank)
+                watchers.append(stack.enter_context(Watcher(
+                    rank_endpoint(args.endpoint, rank), host=args.host, topic=args.topic,
+                    replay_endpoint=replay)))
+            if live:
+                from kvref.viz.watch import WatchApp
+
+                app = WatchApp(watchers, queries, duration_s=args.duration,
+                               max_batches=args.batches, tokenize=tokenize)
+                app.run()
+                queries = app.queries
+                if app.error is not None:
+                    raise WatchError(app.error)
+            else:
+                watch_all(watchers, duration_s=args.duration, max_batches=args.batches)
+            _watch_report(watchers, queries, args.json, console)
+    except WatchError as exc:
+        raise UsageError(str(exc)) from None
+    except KeyboardInterrupt:
+        if watchers:
+            _watch_report(watchers, queries, args.json, console)
+    return 0
+
+
+def _watch_report(watchers, queries, as_json: bool, console: Console) -> None:
+    import json
+
+    from kvref.viz.watch import best_answer, render_watch
+
+    if not as_json:
+        console.print(render_watch(watchers, queries))
+        return
+    answers = []
+    for q in queries:
+        rank, by_rank = best_answer(watchers, q.tokens)
+        answers.append({"query": q.name, **by_rank[rank]._asdict()})
+        if len(watchers) > 1:
+            answers[-1].update(best_rank=rank, hit_tokens_by_rank=[a.hit_tokens for a in by_rank])
+    if len(watchers) == 1:
+        print(json.dumps({**watchers[0].status(), "queries": answers}))
+    else:
+        print(json.dumps({"data_parallel_size": len(watchers),
+                          "ranks": [w.status() for w in watchers], "queries": answers}))
+
 def _n(count: int, word: str) -> str:
     return f"{count} {word if count == 1 else word + 's'}"
 
@@ -363,6 +430,43 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--check-invariants", action="store_true",
                      help="also assert the invariants of specs/ after every op")
     rep.set_defaults(run=cmd_replay)
+    wat = sub.add_parser("watch", help="a running vLLM's prefix cache, live, from its KV events",
+                         description="Subscribe to a running vLLM's KV events over ZMQ (start "
+                         "it with --kv-events-config '{\"enable_kv_cache_events\": true, "
+                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'), "
+                         "keep the prefix-cache index a router keeps, and show it live with "
+                         "how far each --query prompt would hit now. ENDPOINT is the one "
+                         "vLLM was given: vLLM binds tcp://*:PORT and ipc:// endpoints (the "
+                         "watcher connects, to --host) and connects to tcp://HOST:PORT (the "
+                         "watcher binds there). Stops after --duration or --batches, or on "
+                         "Ctrl-C (in a terminal also q; / asks about a typed prompt), and "
+                         "prints the index and answers (--json for scripts).")
+    wat.add_argument("endpoint", help="vLLM's kv-events endpoint, e.g. tcp://*:5557")
+    wat.add_argument("--host", default="127.0.0.1",
+                     help="the server's address when it binds (tcp://*:PORT); default 127.0.0.1")
+    wat.add_argument("--replay", metavar="ENDPOINT",
+                     help="vLLM's replay_endpoint: fetch batches sent before the watcher "
+                     "started or lost on the way")
+    wat.add_argument("--topic", default="", help="vLLM's kv-events topic (default: none)")
+    wat.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                     help="vLLM's data parallel size: rank r publishes on PORT + r with its "
+                     "own cache; each is watched, and a query says which rank hits most")
+    wat.add_argument("--query", action="append", metavar="TOKENS",
+                     help="token ids of a prompt, e.g. '1 2 3' or '[1, 2, 3]' (repeatable)")
+    wat.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="a prompt as text, with --tokenizer (repeatable)")
+    wat.add_argument("--query-file", metavar="FILE",
+                     help="prompts: JSON lines of token-id lists or {\"prompt_token_ids\": "
+                     "[...]} or {\"prompt\": TEXT} (an \"id\" names it), or one JSON list")
+    wat.add_argument("--tokenizer", metavar="DIR",
+                     help="the served model's tokenizer folder (local; needs transformers): "
+                     "turns --prompt texts into token ids as vLLM's /v1/completions does (a chat "
+                     "request applies its chat template first: give its token ids)")
+    wat.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    wat.add_argument("--batches", type=int, metavar="N", help="stop after N event batches")
+    wat.add_argument("--json", action="store_true",
+                     help="no live view; print the final index and answers as JSON")
+    wat.set_defaults(run=cmd_watch)
     return parser
 
 

@@ -7,7 +7,9 @@ same rule (``RouterIndex.score``) and differ in what they remember:
 ``TokenTreeIndex`` keeps a prefix tree of its own keys over token slices
 (``skip_sparse=True``: the defence against stores whose slices and hashes do
 not pair up). Lesson 11 feeds them a real manager's events and checks their
-answers against the pool.
+answers against the pool. ``HashIndex``'s memory is ``kvref.watch``'s
+``PrefixCacheIndex``, the index ``kvref watch`` keeps for a running vLLM (which
+asks kvref's own coordinator for the hit instead of this two-kind rule).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from functools import lru_cache
 from kvref import (AllBlocksCleared, BlockRemoved, BlockStored, Request,
                    get_request_block_hasher, sha256)
 from kvref.core.kv_cache_utils import maybe_convert_block_hash
+from kvref.watch import PrefixCacheIndex
 
 
 class RouterIndex(ABC):
@@ -59,19 +62,14 @@ class HashIndex(RouterIndex):
 
     def __init__(self, group_kinds: dict[int, str], block_size: int) -> None:
         super().__init__(group_kinds, block_size)
-        self.blocks = Counter()
+        self.index = PrefixCacheIndex()
+
+    @property
+    def blocks(self):
+        return self.index.blocks
 
     def apply(self, event):
-        if isinstance(event, BlockStored):
-            for h in event.block_hashes:
-                self.blocks[(event.group_idx, h)] += 1
-        elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                self.blocks[(event.group_idx, h)] -= 1
-                if self.blocks[(event.group_idx, h)] == 0:
-                    del self.blocks[(event.group_idx, h)]
-        elif isinstance(event, AllBlocksCleared):
-            self.blocks.clear()
+        self.index.apply(event)
 
     def cached(self, group, tokens, i):
         return (group, prompt_hashes(tuple(tokens), self.block_size)[i]) in self.blocks
