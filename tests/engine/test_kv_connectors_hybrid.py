@@ -118,9 +118,12 @@ def run_example_connector(model, prompts, reference, tmp_path, **engine) -> LLM:
 
 def run_cpu_tier(model, prompts, reference, tmp_path, **engine) -> LLM:
     """A small device pool: blocks evicted there come back from the host tier."""
+    groups = LLM(model, num_gpu_blocks=160, **OPTIONS).kv_cache_config.kv_cache_groups
+    block_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
     config = KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-                              kv_connector_extra_config={"num_cpu_blocks": 96})
-    llm = connected(model, config, num_gpu_blocks=20, **engine)    # small: preempts, evicts
+                              kv_connector_extra_config={"cpu_bytes_to_use": 96 * block_bytes})
+    # Small: evicts (two groups: a whole request takes 24 blocks of both together).
+    llm = connected(model, config, num_gpu_blocks=30, **engine)
     assert tokens(llm.generate(prompts + prompts, PARAMS)) == reference * 2
     assert llm.model_runner.kv_connector.stats.num_loaded_blocks > 0
     return llm
