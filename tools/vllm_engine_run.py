@@ -343,8 +343,10 @@ def run_workload(name: str, hooks: Hooks, model: Path, record: str | None = None
 
         trace = hooks.holder["recorder"].finish_trace(
             name=f"vllm-engine-{name}", config_class="vllm-engine",
-            generator={"engine": "vllm.LLM.generate", "vllm": result["vllm_version"],
+            generator={"tool": "tools/vllm_engine_run.py", "engine": "vllm.LLM.generate",
+                       "vllm": result["vllm_version"],
                        "workload": name, "description": spec["about"]})
+        Path(record).parent.mkdir(parents=True, exist_ok=True)
         write_trace(trace, record)
         result["recorded_ops"] = len(trace["ops"])
     return result
