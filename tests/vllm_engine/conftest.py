@@ -2,8 +2,8 @@
 
 ``tools/setup_vllm_engine_venv.py`` makes (or reuses, by its stamp) the venv in
 which vLLM 0.25.1's real engine runs; CI calls it before the suite, so here it
-is normally found complete. If it is absent these tests build it (about 4
-minutes, 590 MB from the package registry) rather than skip: a comparison that
+is normally found complete. If it is absent these tests build it (4 to 17
+minutes, 680 MB from the package registry) rather than skip: a comparison that
 silently did not run would be a test that cannot fail.
 ``KVREF_VLLM_ENGINE_PYTHON=/path/to/python`` names another environment's python.
 """
