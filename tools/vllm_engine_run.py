@@ -26,10 +26,12 @@ Facts it rests on (vLLM 0.25.1): the CPU platform sets a block size of 128
 unless one is given (vllm/platforms/cpu.py:119) and turns
 ``async_scheduling`` off (vllm/platforms/cpu.py:136), so the async workload
 names vLLM's ``AsyncScheduler`` as ``scheduler_cls``
-(vllm/config/scheduler.py:199-201); the ZMQ publisher connects unless its
-endpoint has ``*`` (vllm/distributed/kv_events.py), so this tool binds the
-subscriber; ``NONE_HASH`` comes from ``PYTHONHASHSEED``
-(vllm/v1/core/kv_cache_utils.py:102-114), which this tool sets to 0.
+(vllm/config/scheduler.py:199-201); the ZMQ publisher binds only an endpoint
+with ``*``, ``::``, ``ipc://`` or ``inproc://`` and otherwise connects
+(vllm/distributed/kv_events.py:393-397), so this tool binds the subscriber; ``NONE_HASH`` comes from ``PYTHONHASHSEED``
+(vllm/v1/core/kv_cache_utils.py:102-114), which this tool sets to 0. Each
+workload's pool is 64 blocks of 16 tokens unless it says otherwise
+(``num_gpu_blocks_override``), small enough for the viewer to draw whole.
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ class EventListener:
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.frames: list[bytes] = []
+        self.seqs: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -165,18 +168,26 @@ class EventListener:
         poller.register(self._sock, self._zmq.POLLIN)
         while not self._stop.is_set():
             if poller.poll(100):
-                self.frames.append(self._sock.recv_multipart()[-1])
+                _topic, seq, payload = self._sock.recv_multipart()
+                self.seqs.append(int.from_bytes(seq, "big"))
+                self.frames.append(payload)
 
-    def close(self, quiet_s: float = 0.5) -> list[dict]:
-        """Wait until nothing arrived for quiet_s, stop, and decode every batch."""
-        import msgspec
-
-        from vllm.distributed.kv_events import KVEventBatch
-
+    def wait_quiet(self, quiet_s: float = 0.5) -> None:
+        """Return once nothing has arrived for quiet_s (the publisher has sent all)."""
         seen = -1
         while seen != len(self.frames):
             seen = len(self.frames)
             time.sleep(quiet_s)
+
+    def close(self) -> list[dict]:
+        """Stop, check no batch was lost, and decode every batch."""
+        import msgspec
+
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.wait_quiet()
+        if self.seqs != list(range(len(self.seqs))):
+            raise RuntimeError(f"KV event batches were lost: sequence numbers {self.seqs}")
         self._stop.set()
         self._thread.join()
         self._sock.close(linger=0)
@@ -326,6 +337,9 @@ def run_workload(name: str, hooks: Hooks, model: Path, record: str | None = None
             requests.append({"tokens": list(out.outputs[0].token_ids),
                              "num_cached_tokens": out.num_cached_tokens,
                              "prompt_len": len(out.prompt_token_ids)})
+    # The publisher's socket closes without lingering (vllm/distributed/kv_events.py:378):
+    # let every batch arrive before shutting the engine down.
+    listener.wait_quiet()
     llm.llm_engine.engine_core.shutdown()
     events = listener.close()
     del llm
@@ -411,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
                         help="which workload (repeatable; default: all with --compare, "
                         "prefix otherwise)")
-    parser.add_argument("--kv-layer", choices=("vllm", "kvref"), default="kvref")
+    parser.add_argument("--kv-layer", choices=("vllm", "kvref"), default="kvref",
+                        help="whose KV layer vLLM's engine runs on (default kvref)")
     parser.add_argument("--compare", action="store_true",
                         help="run each workload on both layers and compare")
     parser.add_argument("--model", type=Path,
@@ -426,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write the results (a list) as JSON")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     args = parser.parse_args(argv)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there (a transformers checkpoint "
+                     "folder is expected)")
     if any(os.environ.get(key) != value for key, value in ENGINE_ENV.items()):
         # The engine reads these at import: start again with them set.
         os.execve(sys.executable, [sys.executable, __file__, *(argv or sys.argv[1:])],
@@ -467,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results))
         print("FAIL: the layers differ" if failed else
-              f"all {len(names)} workloads: tokens equal, cached tokens equal, KV events equal")
+              f"tokens equal, cached tokens equal, KV events equal: {', '.join(names)}")
         return 1 if failed else 0
     if args.record and len(names) != 1:
         raise SystemExit("--record records one workload: give one --workload")
