@@ -21,7 +21,8 @@
 #
 # The claim to check: the same prompts give the same tokens with prefix caching
 # on and off, and with it on, fewer prompt tokens are computed. The model is a
-# tiny Llama with random weights, built here (nothing is downloaded).
+# tiny Llama with random weights, built here (nothing is downloaded). Section 5
+# then opens a recording of vLLM's own engine running on kvref's KV layer.
 #
 # Run: `python tutorials/05_prefix_caching_with_a_model.py [--device cuda]`.
 
@@ -32,9 +33,12 @@ import torch
 from rich.table import Table
 
 from kvref.engine import LLM, SamplingParams
+from kvref.verify.trace_replay import replay
 from kvref.viz import render_pool
+from kvref.viz.panels import render_frame, render_summary
+from kvref.viz.player import TracePlayer, read_trace, summarize
 
-from _lesson import claim, finish, section, show, start, tiny_llama
+from _lesson import TUTORIALS_DIR, claim, finish, section, show, start, tiny_llama
 
 args = start("Prefix caching with a real model", uses_tensors=True)
 BLOCK_SIZE, MAX_TOKENS = 4, 6
@@ -144,6 +148,44 @@ claim(again.num_cached_tokens == 24 and llm_on.stats.prompt_tokens_computed - be
       "a 26-token prompt seen before hits 24 tokens and computes the last 2")
 claim(again.outputs[0].token_ids == on[0].outputs[0].token_ids,
       "and generates the same tokens as the first time")
+
+# %% [markdown]
+# ## 5. The same pool inside vLLM's own engine
+#
+# Everything above ran kvref's engine. `tools/vllm_engine_run.py` runs vLLM
+# 0.25.1's *real* engine (`vllm.LLM.generate`: its scheduler, CPU model runner
+# and attention kernels) with kvref's KV layer in place of vLLM's, and with
+# `--record` it writes down every call vLLM's scheduler made to that layer. The
+# file read here is such a recording, vendored so that this lesson needs no vLLM
+# (made by `python3 tools/vllm_engine_run.py --workload evict --record FILE`):
+# seven requests whose prompts share their first 16 tokens, in a pool of only 10
+# blocks of 16 tokens, so the real scheduler evicts cached blocks and preempts a
+# request. kvref replays every call and must answer exactly as it answered inside
+# vLLM; `kvref viz FILE` steps through it, and the frame below is the step where
+# vLLM's scheduler preempted a request to make room.
+
+# %%
+section("5. vLLM's own engine, through kvref's viewer")
+recording = read_trace(str(TUTORIALS_DIR / "data" / "vllm_engine_evict.json.gz"))
+replayed = replay(recording, compare_hashes=True, check_invariants=True)
+claim(recording["generator"]["engine"] == "vllm.LLM.generate"
+      and recording["generator"]["vllm"] == "0.25.1",
+      "the recording comes from vLLM 0.25.1's own LLM.generate")
+claim(replayed.divergence is None and replayed.num_ops == len(recording["ops"]) == 568,
+      "kvref replays all 568 recorded calls with the recorded answers, invariants checked")
+summary = summarize(recording)
+show(render_summary(summary, title="vLLM's engine on kvref's layer: the evict recording"))
+claim(summary.num_steps == 52 and summary.evictions == 9 and summary.preemptions == 1,
+      "in 52 engine steps the real scheduler evicted 9 cached blocks and preempted once")
+player = TracePlayer(recording)
+player.seek(len(player.ops))
+preempted_at = next(f.index for f in player.facts if f.is_preemption)
+player.seek_op(preempted_at)
+show(render_frame(player))
+asked = max(i for i in range(preempted_at) if player.ops[i]["op"] == "allocate_slots")
+claim(player.ops[preempted_at]["op"] == "free" and "ret" in player.ops[asked]["expect"]
+      and player.ops[asked]["expect"]["ret"] is None,
+      "vLLM preempted right after an allocate_slots found no room (it returned None)")
 
 # %%
 finish()
