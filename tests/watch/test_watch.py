@@ -357,7 +357,8 @@ def test_the_watch_api_refuses_a_bad_endpoint_with_watch_error():
 
 
 @pytest.mark.skipif(not ORACLE.exists(), reason=f"needs the vLLM 0.25.1 oracle environment "
-                    f"({ORACLE}; tools/setup_vllm_venv.py): CI replays the recorded frames")
+                    f"({ORACLE}; tools/setup_vllm_venv.py, which .ci/run builds); the "
+                    "recorded frames are replayed without it")
 def test_live_vllm_publisher_and_its_replay_socket():
     """vLLM's ZmqEventPublisher in its own process, connecting to the watcher; then a
     second watcher that only asks vLLM's replay socket, from seq 0."""
