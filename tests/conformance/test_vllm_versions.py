@@ -103,3 +103,16 @@ def test_the_installed_release_is_read_from_the_wheels_version_file(tmp_path):
         "version: str\n__version__ = version = '0.33.0'\n", encoding="utf-8")
     assert adapter._installed_version(tmp_path) == "0.33.0"
     assert adapter._installed_version(tmp_path / "missing") is None
+
+
+def test_the_trace_recorder_takes_a_listed_release_only(capsys):
+    """``tools/record_vllm_traces.py --vllm-version`` records another release's
+    answers through this adapter; a release the adapter does not list is refused
+    before any vLLM is imported."""
+    import record_vllm_traces as recorder
+
+    with pytest.raises(SystemExit) as exit_info:
+        recorder.main(["--vllm-version", "0.30.0", "--rerecord", "unused.json.gz"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: '0.30.0'" in capsys.readouterr().err
+    assert recorder.record_on_vllm.__defaults__ == (adapter.MIRRORED,)
