@@ -5,6 +5,8 @@
     kvref record --workload W -o FILE                       write a kvtrace/1 trace
     kvref explain TRACE --op N                              why op N did what it did
     kvref replay PATH...                                    replay traces, compare with vLLM's
+    kvref simulate TRACE [--kv-cache-tokens N|inf] [--json]  a request trace through vLLM's
+                                                            scheduler and KV cache, no model
     kvref --version                                         (also: python -m kvref ...)
 
 Workloads: the walk-throughs ``prefix-caching`` (the default demo) and
@@ -363,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--check-invariants", action="store_true",
                      help="also assert the invariants of specs/ after every op")
     rep.set_defaults(run=cmd_replay)
+
+    from kvref.simulate.command import add_simulate_parser
+    add_simulate_parser(sub)
     return parser
 
 

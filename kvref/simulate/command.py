@@ -1,0 +1,234 @@
+"""``kvref simulate``: the command line of ``kvref.simulate`` (``kvref/cli.py`` adds it).
+
+    kvref simulate conversation --max-requests 500 --arrivals order --kv-cache-tokens inf --json
+    kvref simulate my_prompts.jsonl --model llama-3-8b-like --gpu-memory-gib 80
+    kvref simulate synthetic --model path/to/config.json --tensor-parallel-size 2
+
+The pool: ``--kv-cache-tokens N`` (or ``inf``: never evict), or a model shape
+(``--model``: a named shape or a local ``config.json``) on a GPU of
+``--gpu-memory-gib`` at ``--gpu-memory-utilization``, split over
+``--tensor-parallel-size`` GPUs (default: ``llama-3-8b-like`` on 80 GiB).
+Scheduler flags are vLLM's, with ``vllm serve``'s defaults on such a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_simulate_parser", "cmd_simulate"]
+
+
+def _tokens_arg(value: str) -> float:
+    if value in ("inf", "infinite"):
+        return float("inf")
+    try:
+        n = int(value.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or 'inf', got {value!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def add_simulate_parser(sub) -> argparse.ArgumentParser:
+    from kvref.simulate.sizing import NAMED_SHAPES
+
+    p = sub.add_parser(
+        "simulate", help="run a request trace through vLLM's scheduler and KV cache (no model)",
+        description="Replay a request trace (Mooncake JSONL, or a JSONL of prompt_token_ids / "
+        "max_tokens / arrival_s; 'conversation' and 'synthetic' are the vendored Mooncake "
+        "traces) through kvref's vLLM 0.25.1 scheduler and KV cache manager with no model. "
+        "Reports vLLM's prefix-cache counters and why every computed prompt token was not "
+        "served from the cache (specs/simulate.md).")
+    p.add_argument("trace", help="a .jsonl or .jsonl.gz trace, or 'conversation' / 'synthetic'")
+    p.add_argument("--max-requests", type=int, metavar="N", help="the first N requests only")
+    p.add_argument("--skip", type=int, default=0, metavar="N", help="skip the first N requests")
+    g = p.add_argument_group("time")
+    g.add_argument("--arrivals", choices=["timestamps", "order"], default="timestamps",
+                   help="timestamps: each request arrives at its trace time on the step-time "
+                   "model; order: one request after another (default: timestamps)")
+    g.add_argument("--step-base-ms", type=float, default=10.0, metavar="MS",
+                   help="step time = this + --step-ms-per-token x tokens scheduled (10)")
+    g.add_argument("--step-ms-per-token", type=float, default=0.04, metavar="MS",
+                   help="(0.04)")
+    g.add_argument("--max-output-tokens", type=int, metavar="N",
+                   help="cap each request's output length (the trace's otherwise)")
+    g = p.add_argument_group("KV cache size")
+    g.add_argument("--kv-cache-tokens", type=_tokens_arg, metavar="N|inf",
+                   help="a pool of N tokens (per KV cache group), or inf: one that never evicts")
+    g.add_argument("--num-gpu-blocks-override", type=int, metavar="N",
+                   help="a pool of N blocks (vLLM's flag)")
+    g.add_argument("--model", default=None, metavar="SHAPE|CONFIG",
+                   help=f"a named shape ({', '.join(NAMED_SHAPES)}) or a config.json "
+                   "(default: llama-3-8b-like)")
+    g.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="GIB",
+                   help="memory of one GPU (80)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="vLLM's flag (0.9)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
+    g.add_argument("--reserved-gib", type=float, default=2.0, metavar="GIB",
+                   help="activations, CUDA graphs and other non-KV memory, which vLLM "
+                   "measures by profiling (2)")
+    g.add_argument("--mamba-cache-mode", choices=["all", "align", "none"],
+                   help="Mamba hybrids: vLLM's choice by default (all, or align for models "
+                   "without Mamba prefix caching)")
+    g = p.add_argument_group("scheduler (vLLM's flags)")
+    g.add_argument("--block-size", type=int, default=16, metavar="N")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
+    g.add_argument("--max-num-seqs", type=int, default=1024, metavar="N")
+    g.add_argument("--max-model-len", type=int, metavar="N",
+                   help="default: the trace's longest prompt + output")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    g.add_argument("--no-scheduler-reserve-full-isl", dest="scheduler_reserve_full_isl",
+                   action="store_false")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    g.add_argument("--per-request", action="store_true",
+                   help="with --json: each request's first-admission hit tokens")
+    g.add_argument("--record", metavar="FILE",
+                   help="also write the first --record-steps steps as a kvtrace/1 trace "
+                   "(.json or .json.gz) for kvref viz / kvref explain")
+    g.add_argument("--record-steps", type=int, default=50, metavar="N")
+    p.set_defaults(run=cmd_simulate)
+    return p
+
+
+def _pool(args, requests):
+    """The pool the flags ask for (see the module docstring)."""
+    from pathlib import Path
+
+    from kvref.simulate.sizing import (NAMED_SHAPES, blocks_never_evicting,
+                                       model_shape_from_hf_config, pool_from_memory,
+                                       pool_from_tokens)
+
+    shape = None
+    if args.model is not None:
+        if args.model in NAMED_SHAPES:
+            shape = NAMED_SHAPES[args.model]
+        elif Path(args.model).exists():
+            shape = model_shape_from_hf_config(args.model)
+        else:
+            raise ValueError(f"--model {args.model!r} is neither a named shape "
+                             f"({', '.join(NAMED_SHAPES)}) nor a config.json path")
+    sizes = [args.kv_cache_tokens is not None, args.num_gpu_blocks_override is not None]
+    if sum(sizes) > 1:
+        raise ValueError("give --kv-cache-tokens or --num-gpu-blocks-override, not both")
+    common = dict(shape=shape, block_size=args.block_size,
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  mamba_cache_mode=args.mamba_cache_mode)
+    if args.kv_cache_tokens is not None or args.num_gpu_blocks_override is not None:
+        probe = pool_from_tokens(2, **common)       # its groups and block size
+        groups = len(probe.kv_cache_config.kv_cache_groups)
+        if args.num_gpu_blocks_override is not None:
+            num_blocks, how = args.num_gpu_blocks_override, "--num-gpu-blocks-override"
+        elif args.kv_cache_tokens == float("inf"):
+            num_blocks = blocks_never_evicting(requests, probe.block_size, groups,
+                                               args.max_output_tokens)
+            how = "--kv-cache-tokens inf (a pool that never evicts)"
+        else:
+            num_blocks = -(-int(args.kv_cache_tokens) // probe.block_size) + 1
+            how = f"--kv-cache-tokens {int(args.kv_cache_tokens):,}"
+        if num_blocks < 2:
+            raise ValueError(f"a pool needs at least 2 blocks (one is the null block), "
+                             f"got {num_blocks}")
+        return pool_from_tokens(num_blocks, how=how, **common)
+    from kvref.simulate.sizing import NAMED_SHAPES as shapes
+    max_len = args.max_model_len or max(
+        r.input_length + (r.max_tokens if args.max_output_tokens is None
+                          else min(r.max_tokens, args.max_output_tokens)) for r in requests)
+    return pool_from_memory(shape or shapes["llama-3-8b-like"],
+                            gpu_memory_gib=args.gpu_memory_gib, max_model_len=max_len,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            reserved_gib=args.reserved_gib, block_size=args.block_size,
+                            enable_prefix_caching=args.enable_prefix_caching,
+                            mamba_cache_mode=args.mamba_cache_mode)
+
+
+def _check_args(args) -> None:
+    for name in ("max_num_batched_tokens", "max_num_seqs", "block_size", "record_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
+                             f"got {getattr(args, name)}")
+    for name in ("max_model_len", "max_output_tokens", "max_requests"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.long_prefill_token_threshold < 0 or args.skip < 0:
+        raise ValueError("--long-prefill-token-threshold and --skip must be >= 0")
+    if args.step_base_ms < 0 or args.step_ms_per_token < 0:
+        raise ValueError("--step-base-ms and --step-ms-per-token must be >= 0")
+    if args.record is not None and not args.record.endswith((".json", ".json.gz")):
+        raise ValueError(f"--record writes a kvtrace/1 trace: the file must end in .json "
+                         f"or .json.gz, got {args.record!r}")
+
+
+def cmd_simulate(args, console) -> int:
+    from kvref.cli import UsageError
+    from kvref.simulate.engine import StepTime, simulate
+    from kvref.simulate.report import render_report
+    from kvref.simulate.traces import TraceError, load_trace
+
+    try:
+        _check_args(args)
+        requests = load_trace(args.trace, max_requests=args.max_requests, skip=args.skip)
+        pool = _pool(args, requests)
+        options = dict(max_model_len=args.max_model_len,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs,
+                       long_prefill_token_threshold=args.long_prefill_token_threshold,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       scheduler_reserve_full_isl=args.scheduler_reserve_full_isl,
+                       arrivals=args.arrivals,
+                       step_time=StepTime(args.step_base_ms, args.step_ms_per_token),
+                       max_output_tokens=args.max_output_tokens)
+        result = _run_with_progress(requests, pool, options)
+        if args.record is not None:
+            from kvref.simulate.record import record_steps
+
+            size = record_steps(requests, pool, options, args.record, args.record_steps)
+            if not args.json:
+                console.print(f"wrote {args.record}: the first {size} steps as kvtrace/1 "
+                              f"(kvref viz {args.record})")
+    except (TraceError, ValueError) as exc:
+        raise UsageError(f"kvref simulate: {exc}") from None
+    if args.json:
+        json.dump(result.to_json(per_request=args.per_request), sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    console.print(render_report(result, trace=str(args.trace)))
+    return 0
+
+
+def _run_with_progress(requests, pool, options):
+    """Progress on stderr: a bar on a terminal, else a line every tenth of a long trace."""
+    from rich.console import Console
+
+    from kvref.simulate.engine import simulate
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        if len(requests) >= 1000:
+            # Not a terminal (a log, CI): a line every tenth of the trace.
+            marks = {len(requests) * k // 10 for k in range(1, 10)}
+            shown = set()
+
+            def line(done, total):
+                for m in sorted(marks - shown):
+                    if done >= m:
+                        shown.add(m)
+                        print(f"kvref simulate: {done:,}/{total:,} requests arrived",
+                              file=sys.stderr, flush=True)
+            return simulate(requests, pool, on_progress=line, **options)
+        return simulate(requests, pool, **options)
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("simulating", total=len(requests))
+        return simulate(requests, pool, on_progress=lambda done, total: progress.update(
+            task, completed=done), **options)
