@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(run=cmd_replay)
 
     from kvref.simulate.command import add_simulate_parser
-    add_simulate_parser(sub)
+    add_simulate_parser(sub, UsageError)
     return parser
 
 

@@ -32,7 +32,10 @@ def _tokens_arg(value: str) -> float:
     return n
 
 
-def add_simulate_parser(sub) -> argparse.ArgumentParser:
+def add_simulate_parser(sub, usage_error: type[Exception] = ValueError
+                        ) -> argparse.ArgumentParser:
+    """Add ``simulate`` to the subcommands ``sub``; bad input raises ``usage_error``
+    (the CLI's one-line error), so this module need not import the CLI."""
     from kvref.simulate.sizing import NAMED_SHAPES
 
     p = sub.add_parser(
@@ -93,7 +96,7 @@ def add_simulate_parser(sub) -> argparse.ArgumentParser:
                    help="also write the first --record-steps steps as a kvtrace/1 trace "
                    "(.json or .json.gz) for kvref viz / kvref explain")
     g.add_argument("--record-steps", type=int, default=50, metavar="N")
-    p.set_defaults(run=cmd_simulate)
+    p.set_defaults(run=lambda args, console: cmd_simulate(args, console, usage_error))
     return p
 
 
@@ -101,6 +104,7 @@ def _pool(args, requests):
     """The pool the flags ask for (see the module docstring)."""
     from pathlib import Path
 
+    from kvref.math_utils import cdiv
     from kvref.simulate.sizing import (NAMED_SHAPES, blocks_never_evicting,
                                        model_shape_from_hf_config, pool_from_memory,
                                        pool_from_tokens)
@@ -130,7 +134,7 @@ def _pool(args, requests):
                                                args.max_output_tokens)
             how = "--kv-cache-tokens inf (a pool that never evicts)"
         else:
-            num_blocks = -(-int(args.kv_cache_tokens) // probe.block_size) + 1
+            num_blocks = cdiv(int(args.kv_cache_tokens), probe.block_size) + 1
             how = f"--kv-cache-tokens {int(args.kv_cache_tokens):,}"
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), "
@@ -168,9 +172,8 @@ def _check_args(args) -> None:
                          f"or .json.gz, got {args.record!r}")
 
 
-def cmd_simulate(args, console) -> int:
-    from kvref.cli import UsageError
-    from kvref.simulate.engine import StepTime, simulate
+def cmd_simulate(args, console, usage_error: type[Exception] = ValueError) -> int:
+    from kvref.simulate.engine import StepTime
     from kvref.simulate.report import render_report
     from kvref.simulate.traces import TraceError, load_trace
 
@@ -196,7 +199,7 @@ def cmd_simulate(args, console) -> int:
                 console.print(f"wrote {args.record}: the first {size} steps as kvtrace/1 "
                               f"(kvref viz {args.record})")
     except (TraceError, ValueError) as exc:
-        raise UsageError(f"kvref simulate: {exc}") from None
+        raise usage_error(f"kvref simulate: {exc}") from None
     if args.json:
         json.dump(result.to_json(per_request=args.per_request), sys.stdout)
         sys.stdout.write("\n")

@@ -125,10 +125,11 @@ class SimulationResult:
     max_model_len: int = 0
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
-    per_request_hits: dict[str, int] = field(default_factory=dict)
-    queue_delays_s: list[float] = field(default_factory=list)
+    per_request_hits: dict[str, int] = field(default_factory=dict, repr=False)
+    queue_delays_s: list[float] = field(default_factory=list, repr=False)
     # (simulated seconds, KV usage 0..1, running, waiting, preemptions so far), sampled
-    timeline: list[tuple[float, float, int, int, int]] = field(default_factory=list)
+    timeline: list[tuple[float, float, int, int, int]] = field(default_factory=list,
+                                                               repr=False)
 
     @property
     def hit_ratio_once(self) -> float:

@@ -6,6 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from kvref.math_utils import cdiv
 from kvref.simulate.attribution import CAUSES
 from kvref.simulate.engine import SimulationResult
 
@@ -32,7 +33,7 @@ def sparkline(values, width: int = 60, top: float | None = None) -> str:
     if not values:
         return ""
     top = top or max(values) or 1.0
-    step = max(1, -(-len(values) // width))
+    step = max(1, cdiv(len(values), width))
     out = []
     for i in range(0, len(values), step):
         chunk = values[i:i + step]
@@ -90,8 +91,8 @@ def render_report(result: SimulationResult, trace: str = "trace") -> Group:
         usage = [u for _, u, _, _, _ in r.timeline]
         waiting = [w for _, _, _, w, _ in r.timeline]
         running = [n for _, _, n, _, _ in r.timeline]
-        engine.add_row("KV usage", f"median {_pct(usage, 0.5):.0%}, p90 {_pct(usage, 0.9):.0%}, "
-                       f"max {max(usage):.0%}")
+        engine.add_row("KV usage", f"median {_pct(usage, 0.5):.1%}, p90 {_pct(usage, 0.9):.1%}, "
+                       f"max {max(usage):.1%}")
         engine.add_row("", Text(sparkline(usage, top=1.0), style="cyan"))
         engine.add_row("running", f"max {max(running)}")
         engine.add_row("waiting", f"max {max(waiting)} ")

@@ -187,9 +187,13 @@ def _layer_specs(shape: ModelShape, block_size: int, tp: int, enable_prefix_cach
                  mamba_cache_mode: str | None) -> tuple[dict, int, str | None]:
     heads, dtype = shape.kv_heads_per_gpu(tp), shape.dtype
     if shape.is_mamba_hybrid:
-        if mamba_cache_mode is None:
-            mamba_cache_mode = ("none" if not enable_prefix_caching else
-                                "all" if shape.supports_mamba_prefix_caching else "align")
+        if not enable_prefix_caching:
+            mamba_cache_mode = "none"          # vLLM forces it (config.py:591-597)
+        elif mamba_cache_mode in (None, "none"):
+            # vLLM replaces "none" when prefix caching is on (config.py:558-567).
+            mamba_cache_mode = "all" if shape.supports_mamba_prefix_caching else "align"
+        elif mamba_cache_mode == "all" and not shape.supports_mamba_prefix_caching:
+            mamba_cache_mode = "align"         # config.py:568-577
         block_size = mamba_hybrid_block_size(shape, mamba_cache_mode, block_size, tp)
     specs: dict = {}
     attn = FullAttentionSpec(block_size, num_kv_heads=heads, head_size=shape.head_size,
