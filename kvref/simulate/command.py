@@ -96,6 +96,18 @@ def add_simulate_parser(sub, usage_error: type[Exception] = ValueError
                    help="also write the first --record-steps steps as a kvtrace/1 trace "
                    "(.json or .json.gz) for kvref viz / kvref explain")
     g.add_argument("--record-steps", type=int, default=50, metavar="N")
+    g = p.add_argument_group("sweeps")
+    g.add_argument("--sweep", action="append", metavar="NAME=V1,V2,...",
+                   help="run every combination of these values (repeatable); NAME is one of "
+                   "kv-cache-tokens, block-size, max-num-batched-tokens, max-num-seqs, "
+                   "long-prefill-token-threshold, max-output-tokens, arrivals")
+    g.add_argument("--workers", type=int, metavar="N",
+                   help="local processes for a sweep (default: one per CPU)")
+    g.add_argument("--ray-address", metavar="ADDR",
+                   help="run the sweep's points as tasks on this Ray cluster ('auto', "
+                   "'ray://host:10001'; needs pip install 'kvref[ray]')")
+    g.add_argument("--plot", metavar="FILE.png",
+                   help="with --sweep kv-cache-tokens=...: draw the capacity curve")
     p.set_defaults(run=lambda args, console: cmd_simulate(args, console, usage_error))
     return p
 
@@ -179,6 +191,8 @@ def cmd_simulate(args, console, usage_error: type[Exception] = ValueError) -> in
 
     try:
         _check_args(args)
+        if args.sweep:
+            return _sweep(args, console)
         requests = load_trace(args.trace, max_requests=args.max_requests, skip=args.skip)
         pool = _pool(args, requests)
         options = dict(max_model_len=args.max_model_len,
@@ -235,3 +249,95 @@ def _run_with_progress(requests, pool, options):
         task = progress.add_task("simulating", total=len(requests))
         return simulate(requests, pool, on_progress=lambda done, total: progress.update(
             task, completed=done), **options)
+
+
+def _parse_axes(specs: list[str]) -> dict[str, list]:
+    from kvref.simulate.sweep import SWEEPABLE
+
+    axes: dict[str, list] = {}
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        key = name.strip().replace("-", "_")
+        if not sep or key not in SWEEPABLE or not values:
+            raise ValueError(f"--sweep {spec!r}: expected NAME=V1,V2,... with NAME one of "
+                             + ", ".join(k.replace("_", "-") for k in SWEEPABLE))
+        kind = SWEEPABLE[key]
+        parsed = []
+        for v in values.split(","):
+            v = v.strip()
+            try:
+                if kind is float:
+                    parsed.append(float("inf") if v == "inf" else float(v))
+                elif kind is int:
+                    parsed.append(int(float(v)))
+                elif kind is bool:
+                    parsed.append(v.lower() in ("1", "true", "yes", "on"))
+                else:
+                    parsed.append(v)
+            except ValueError:
+                raise ValueError(f"--sweep {name}: {v!r} is not a {kind.__name__}") from None
+        axes[key] = parsed
+    return axes
+
+
+def _sweep(args, console) -> int:
+    """``--sweep``: the points on processes or Ray, one line each, or JSON."""
+    from rich.table import Table
+
+    from kvref.simulate.sweep import expand_grid, plot_capacity_curve, run_sweep
+
+    if args.model is not None or args.num_gpu_blocks_override is not None:
+        raise ValueError("--sweep sizes pools by --kv-cache-tokens (sweep it, or give one "
+                         "value); --model and --num-gpu-blocks-override do not apply")
+    if args.skip:
+        raise ValueError("--skip does not apply to --sweep (use --max-requests)")
+    points = expand_grid(_parse_axes(args.sweep))
+    base = dict(block_size=args.block_size, arrivals=args.arrivals,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                enable_prefix_caching=args.enable_prefix_caching,
+                scheduler_reserve_full_isl=args.scheduler_reserve_full_isl,
+                max_output_tokens=args.max_output_tokens,
+                kv_cache_tokens=(args.kv_cache_tokens if args.kv_cache_tokens is not None
+                                 else float("inf")))
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    load_trace_check(args)
+    results = run_sweep(str(args.trace), points, max_requests=args.max_requests, base=base,
+                        workers=args.workers, ray_address=args.ray_address)
+    if args.plot:
+        if "kv_cache_tokens" not in points[0]:
+            raise ValueError("--plot draws a capacity curve: sweep kv-cache-tokens")
+        plot_capacity_curve({str(args.trace): results}, args.plot)
+    if args.json:
+        json.dump(results, sys.stdout, default=str)
+        sys.stdout.write("\n")
+        return 0
+    table = Table(title=f"{args.trace}: {len(points)} points")
+    names = list(points[0])
+    for name in names:
+        table.add_column(name.replace("_", "-"), justify="right")
+    for col in ("hit ratio once", "vLLM hit rate", "computed", "preemptions", "run s"):
+        table.add_column(col, justify="right")
+    for r in results:
+        cells = [f"{r['point'][n]:,}" if isinstance(r['point'][n], (int, float))
+                 and r['point'][n] != float("inf") else str(r['point'][n]) for n in names]
+        if "error" in r:
+            table.add_row(*cells, r["error"][:60], "", "", "", "")
+        else:
+            table.add_row(*cells, f"{r['hit_ratio_once']:.3f}",
+                          f"{r['prefix_cache_hit_rate']:.3f}",
+                          f"{r['prompt_tokens_computed']:,}", f"{r['num_preemptions']:,}",
+                          f"{r['wall_seconds']:.1f}")
+    console.print(table)
+    if args.plot:
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def load_trace_check(args) -> None:
+    """Fail in the caller with one line, before workers start, if the trace is bad."""
+    from kvref.simulate.traces import load_trace
+
+    load_trace(args.trace, max_requests=min(args.max_requests or 10, 10), skip=args.skip)

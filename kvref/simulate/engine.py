@@ -188,6 +188,13 @@ class _Observer:
         groups = getattr(coordinator, "attention_groups", None)
         if groups and isinstance(groups[0].spec, FullAttentionSpec):
             self.full_group = groups[0]
+        # One full-attention group of one block size: the cheap uncapped lookup.
+        config_groups = self.manager.kv_cache_config.kv_cache_groups
+        self.plain_block_size = None
+        if len(config_groups) == 1 and type(config_groups[0].kv_cache_spec) is FullAttentionSpec \
+                and config_groups[0].kv_cache_spec.block_size == \
+                self.manager.block_pool.hash_block_size:
+            self.plain_block_size = config_groups[0].kv_cache_spec.block_size
         self._lookup = manager.get_computed_blocks
         manager.get_computed_blocks = self.get_computed_blocks
 
@@ -197,24 +204,32 @@ class _Observer:
             self.cuts[request.request_id] = self._cuts(request, num_hit)
         return blocks, num_hit
 
-    def _cuts(self, request, num_hit: int) -> tuple[int, ...]:
-        """(h, A, F, S, T) of rule S2, at the moment of the lookup."""
+    def _cuts(self, request, num_hit: int) -> tuple[int, int, int]:
+        """(h, A, F) of rule S2, at the moment of the lookup (S and T are measured at
+        admission, ``on_step``: the history changes only after a step is scheduled)."""
         n = request.num_tokens
         manager = self.manager
         coordinator = manager.coordinator
-        if manager.enable_caching:
-            _, uncapped = coordinator.find_longest_cache_hit(request.block_hashes, n)
-            full_only = uncapped
-            if self.full_group is not None:
-                spec, gids = self.full_group.spec, self.full_group.group_ids
-                hit = FullAttentionManager.find_longest_cache_hit(
-                    coordinator._hashes_for(spec, request.block_hashes), n, gids,
-                    coordinator.block_pool, spec, False, coordinator.scheduler_block_size)
-                full_only = len(hit[0]) * spec.block_size
-        else:
-            uncapped = full_only = 0
-        seen_blocks, seen_tokens = self.history.seen_prefix(request, n)
-        return num_hit, uncapped, full_only, seen_blocks, seen_tokens
+        if not manager.enable_caching:
+            return num_hit, 0, 0
+        if self.plain_block_size:
+            # One full-attention group: without the cap the hit can only reach one
+            # block further, the prompt's last, when the prompt fills it exactly.
+            size = self.plain_block_size
+            uncapped = num_hit
+            if n % size == 0 and num_hit == n - size and coordinator.block_pool.get_cached_block(
+                    request.block_hashes[num_hit // size], [0]) is not None:
+                uncapped = n
+            return num_hit, uncapped, uncapped
+        _, uncapped = coordinator.find_longest_cache_hit(request.block_hashes, n)
+        full_only = uncapped
+        if self.full_group is not None:
+            spec, gids = self.full_group.spec, self.full_group.group_ids
+            hit = FullAttentionManager.find_longest_cache_hit(
+                coordinator._hashes_for(spec, request.block_hashes), n, gids,
+                coordinator.block_pool, spec, False, coordinator.scheduler_block_size)
+            full_only = len(hit[0]) * spec.block_size
+        return num_hit, uncapped, full_only
 
     def on_step(self, output: SchedulerOutput) -> None:
         requests = self.scheduler.requests
@@ -224,7 +239,8 @@ class _Observer:
             request = requests[rid]
             cuts = self.cuts.pop(rid)
             assert cuts[0] == new.num_computed_tokens, (rid, cuts, new.num_computed_tokens)
-            self.ledger.admit(rid, request.num_prompt_tokens, cuts,
+            seen_blocks, seen_tokens = self.history.seen_prefix(request, request.num_tokens)
+            self.ledger.admit(rid, request.num_prompt_tokens, (*cuts, seen_blocks, seen_tokens),
                               self.manager.enable_caching)
             self.admitted_at[rid] = step
             self.blocks_added[rid] = 0
