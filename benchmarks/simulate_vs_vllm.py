@@ -94,11 +94,12 @@ def vllm_side(args) -> dict:
     sys.path.insert(0, str(REPO / "tools"))
     import record_vllm_scheduler as rec
     rec.load_vllm(rec.DEFAULT_SRC)
+    from vllm.utils.math_utils import cdiv
     from vllm.v1.outputs import ModelRunnerOutput
 
     rows = read_trace(args)
     max_model_len = max(r["P"] + r["out"] for r in rows)
-    num_blocks = -(-args.kv_cache_tokens // args.block_size) + 1
+    num_blocks = cdiv(args.kv_cache_tokens, args.block_size) + 1
     with tempfile.TemporaryDirectory() as model_dir:
         # A config only (no weights): vLLM's ModelConfig reads it; the scheduler needs
         # max_position_embeddings >= max_model_len.
