@@ -45,7 +45,11 @@ def add_simulate_parser(sub, usage_error: type[Exception] = ValueError
         "traces) through kvref's vLLM 0.25.1 scheduler and KV cache manager with no model. "
         "Reports vLLM's prefix-cache counters and why every computed prompt token was not "
         "served from the cache (specs/simulate.md).")
-    p.add_argument("trace", help="a .jsonl or .jsonl.gz trace, or 'conversation' / 'synthetic'")
+    p.add_argument("trace", nargs="?",
+                   help="a .jsonl or .jsonl.gz trace, or 'conversation' / 'synthetic'")
+    p.add_argument("--workload", metavar="W",
+                   help="instead of a trace, one of kvref's workloads (chat, multi-turn, rag, "
+                   "agent, hybrid, pressure), on its own pool and scheduler settings")
     p.add_argument("--max-requests", type=int, metavar="N", help="the first N requests only")
     p.add_argument("--skip", type=int, default=0, metavar="N", help="skip the first N requests")
     g = p.add_argument_group("time")
@@ -193,6 +197,10 @@ def cmd_simulate(args, console, usage_error: type[Exception] = ValueError) -> in
         _check_args(args)
         if args.sweep:
             return _sweep(args, console)
+        if (args.trace is None) == (args.workload is None):
+            raise ValueError("give a TRACE or --workload W (one of them)")
+        if args.workload is not None:
+            return _workload(args, console)
         requests = load_trace(args.trace, max_requests=args.max_requests, skip=args.skip)
         pool = _pool(args, requests)
         options = dict(max_model_len=args.max_model_len,
@@ -249,6 +257,33 @@ def _run_with_progress(requests, pool, options):
         task = progress.add_task("simulating", total=len(requests))
         return simulate(requests, pool, on_progress=lambda done, total: progress.update(
             task, completed=done), **options)
+
+
+def _workload(args, console) -> int:
+    """``--workload W``: a preset of ``kvref.viz.workloads`` on its own pool and limits."""
+    from kvref.simulate.engine import StepTime, simulate
+    from kvref.simulate.report import render_report
+    from kvref.simulate.sizing import PoolSize
+    from kvref.simulate.traces import workload_trace
+
+    if args.sweep or args.record:
+        raise ValueError("--workload runs one preset: --sweep and --record do not apply "
+                         "(kvref record --workload W records it)")
+    requests, preset = workload_trace(args.workload, args.step_base_ms / 1000.0)
+    pool = PoolSize(preset.config, preset.block_size,
+                    f"the {args.workload} workload's pool ({preset.description})")
+    result = simulate(requests, pool, max_model_len=preset.max_model_len,
+                      max_num_batched_tokens=preset.max_num_batched_tokens,
+                      max_num_seqs=preset.max_num_seqs, watermark=preset.watermark,
+                      long_prefill_token_threshold=preset.long_prefill_token_threshold,
+                      arrivals=args.arrivals,
+                      step_time=StepTime(args.step_base_ms, args.step_ms_per_token))
+    if args.json:
+        json.dump(result.to_json(per_request=args.per_request), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        console.print(render_report(result, trace=f"workload {args.workload}"))
+    return 0
 
 
 def _parse_axes(specs: list[str]) -> dict[str, list]:

@@ -314,7 +314,11 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
     def out_len(r: TraceRequest) -> int:
         return r.max_tokens if max_output_tokens is None else min(r.max_tokens,
                                                                    max_output_tokens)
+    followups = {r.after: r for r in requests if r.after is not None}
+    requests = [r for r in requests if r.after is None]
     if max_model_len is None:
+        if followups:
+            raise ValueError("a trace with follow-up turns needs max_model_len")
         max_model_len = max(r.input_length + out_len(r) for r in requests)
     _check_pool(pool, max_model_len)
 
@@ -385,6 +389,13 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
         for request in step.finished:
             observer.on_finished(request)
             result.output_tokens += len(request.output_token_ids)
+            nxt = followups.pop(request.request_id, None)
+            if nxt is not None:
+                # The next turn: the finished one's tokens, made into a prompt, now.
+                tokens = nxt.prompt_from(list(request.all_token_ids))
+                pending.appendleft(TraceRequest(nxt.request_id, len(tokens), nxt.max_tokens,
+                                                clock, tokens=tokens))
+                total += 1
         scheduler.step_records.clear()        # kept by the scheduler for tests; not needed
         clock += step_time.seconds(output.total_num_scheduled_tokens)
         if result.num_steps % every == 0:

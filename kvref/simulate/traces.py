@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["MOONCAKE_BLOCK_SIZE", "TOKEN_BASE", "TraceError", "TraceRequest", "load_trace",
-           "mooncake_prompt", "resolve_trace_path"]
+           "mooncake_prompt", "resolve_trace_path", "workload_trace"]
 
 MOONCAKE_BLOCK_SIZE = 512
 # Prompt tokens start here; generated tokens (``runner.OUTPUT_TOKEN_BASE``) lie above them all.
@@ -61,6 +61,10 @@ class TraceRequest:
     arrival_s: float
     block_ids: tuple[int, ...] | None = None     # Mooncake: the 512-token block ids
     tokens: list[int] | None = None              # plain: the prompt itself
+    # A kvref workload's follow-up: arrives when request ``after`` finishes, its
+    # prompt made from that request's tokens by ``prompt_from``.
+    after: str | None = None
+    prompt_from: object = None
 
     def prompt_token_ids(self) -> list[int]:
         if self.tokens is not None:
@@ -180,3 +184,27 @@ def load_trace(trace: str | Path, max_requests: int | None = None,
     if not requests:
         raise TraceError(f"{path}: no requests (empty file, or --skip past its end)")
     return requests
+
+
+def workload_trace(name: str, step_seconds: float = 0.01):
+    """A kvref workload (``kvref.viz.workloads``, e.g. ``chat``, ``multi-turn``) as
+    ``(requests, preset)``: an arrival at step ``k`` arrives at ``k * step_seconds``;
+    a follow-up turn arrives when the turn before it finishes. Presets with a remote
+    prefill (``connector``) are refused: the simulation has no KV connector."""
+    from kvref.viz.workloads import PRESETS
+
+    if name not in PRESETS:
+        raise TraceError(f"unknown workload {name!r}; choose from: {', '.join(PRESETS)}")
+    preset = PRESETS[name]()
+    if preset.remote:
+        raise TraceError(f"workload {name!r} needs a KV connector, which kvref simulate "
+                         "does not run")
+    requests = []
+    for a in preset.arrivals:
+        if a.after is not None:
+            requests.append(TraceRequest(a.request_id, 0, a.max_tokens, 0.0, after=a.after,
+                                         prompt_from=a.prompt))
+        else:
+            requests.append(TraceRequest(a.request_id, len(a.prompt), a.max_tokens,
+                                         a.step * step_seconds, tokens=list(a.prompt)))
+    return requests, preset

@@ -133,3 +133,18 @@ def test_progress_lines_on_a_long_run_without_a_terminal(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("requests arrived") == 9
     assert json.loads(result.stdout)["num_requests"] == 1000
+
+
+def test_kvrefs_own_workloads_run_on_their_own_pools(capsys):
+    code, out, err = run(capsys, "simulate", "--workload", "multi-turn", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["num_requests"] == 9                   # follow-up turns arrived too
+    assert doc["misses_by_cause"]["shared_prefix_ends_inside_block"] > 0   # the time stamp
+    code, out, err = run(capsys, "simulate", "--workload", "pressure", "--json")
+    doc = json.loads(out)
+    assert doc["num_preemptions"] > 0 and doc["misses_by_cause"]["recompute_after_preemption"] > 0
+    code, out, err = run(capsys, "simulate", "--workload", "connector")
+    assert code == 2 and "needs a KV connector" in err
+    code, out, err = run(capsys, "simulate")
+    assert code == 2 and "give a TRACE or --workload W" in err
