@@ -356,8 +356,7 @@ def _sweep(args, console) -> int:
     for col in ("hit ratio once", "vLLM hit rate", "computed", "preemptions", "run s"):
         table.add_column(col, justify="right")
     for r in results:
-        cells = [f"{r['point'][n]:,}" if isinstance(r['point'][n], (int, float))
-                 and r['point'][n] != float("inf") else str(r['point'][n]) for n in names]
+        cells = [_cell(r["point"][n]) for n in names]
         if "error" in r:
             table.add_row(*cells, r["error"][:60], "", "", "", "")
         else:
@@ -369,6 +368,12 @@ def _sweep(args, console) -> int:
     if args.plot:
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _cell(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == float("inf"):
+        return str(value)
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,}"
 
 
 def load_trace_check(args) -> None:
