@@ -251,8 +251,9 @@ class _Observer:
             num_prompt = request.num_prompt_tokens
             if start < num_prompt:
                 self.ledger.computed_tokens(rid, start, min(end, num_prompt))
-            self.blocks_added[rid] = self.history.add(request, self.blocks_added[rid], end,
-                                                      partial=False)
+            if end // self.history.hash_block_size > self.blocks_added[rid]:   # a new full block
+                self.blocks_added[rid] = self.history.add(request, self.blocks_added[rid], end,
+                                                          partial=False)
 
     def on_finished(self, request: EngineRequest) -> None:
         rid = request.request_id
