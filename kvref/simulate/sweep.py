@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -173,5 +174,6 @@ def plot_capacity_curve(curves: dict[str, list[dict]], path: str,
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
