@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     doc = {"trace": args.trace, "max_requests": args.max_requests,
            "block_size": args.block_size, "wall_seconds": time.perf_counter() - started,
            "points": [{k: v for k, v in p.items() if k != "pool"} for p in curve]}
+    for p in doc["points"]:                     # strict JSON: no Infinity
+        if p["point"]["kv_cache_tokens"] == float("inf"):
+            p["point"]["kv_cache_tokens"] = "inf"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     plot_capacity_curve({label: curve}, str(args.out.with_suffix(".png")),
