@@ -102,7 +102,7 @@ CHEAP: dict[str, tuple[str, str]] = {
         "python3 benchmarks/simulate_curve.py --trace synthetic --max-requests 60 "
         "--workers 1 --out build/readme-simulate-curve",
         "60 requests of the synthetic trace, written to an ignored path (the whole "
-        "conversation trace takes about an hour of CPU)"),
+        "conversation trace takes tens of minutes on 2 cores)"),
     "python3 tools/readme_fresh_venv.py": (
         "python3 tools/readme_fresh_venv.py --list",
         "the fresh-venv run builds one venv per block (tens of minutes); --list shows the "
