@@ -6,6 +6,8 @@
     kvref explain TRACE --op N                              why op N did what it did
     kvref replay PATH...                                    replay traces, compare with vLLM's
     kvref watch ENDPOINT [--query TOKENS]                   a running vLLM's cache, live
+    kvref simulate TRACE [--kv-cache-tokens N|inf] [--json]  a request trace through vLLM's
+                                                            scheduler and KV cache, no model
     kvref --version                                         (also: python -m kvref ...)
 
 Workloads: the walk-throughs ``prefix-caching`` (the default demo) and
@@ -467,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     wat.add_argument("--json", action="store_true",
                      help="no live view; print the final index and answers as JSON")
     wat.set_defaults(run=cmd_watch)
+
+    from kvref.simulate.command import add_simulate_parser
+    add_simulate_parser(sub, UsageError)
     return parser
 
 

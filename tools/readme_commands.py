@@ -99,6 +99,16 @@ CHEAP: dict[str, tuple[str, str]] = {
         "python3 tools/setup_vllm_venv.py --dry-run build/vllm-venv",
         "building vLLM's environment downloads a wheel and torch; the dry run prints every "
         "step it would take"),
+    "python3 benchmarks/simulate_vs_vllm.py": (
+        "python3 benchmarks/simulate_vs_vllm.py --max-requests 20 --max-output-tokens 8 "
+        "--kvref-only",
+        "20 requests, kvref alone: the whole trace takes tens of minutes and vLLM's side "
+        "needs the oracle environment"),
+    "python3 benchmarks/simulate_curve.py": (
+        "python3 benchmarks/simulate_curve.py --trace synthetic --max-requests 60 "
+        "--workers 1 --out build/readme-simulate-curve",
+        "60 requests of the synthetic trace, written to an ignored path (the whole "
+        "conversation trace takes tens of minutes on 2 cores)"),
     "python3 tools/readme_fresh_venv.py": (
         "python3 tools/readme_fresh_venv.py --list",
         "the fresh-venv run builds one venv per block (tens of minutes); --list shows the "
