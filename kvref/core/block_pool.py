@@ -453,10 +453,3 @@ class BlockPool:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
-
-    def check_valid(self) -> None:
-        """Assert every pool invariant of ``specs/`` (an expensive no-op when all
-        is well); raises ``kvref.verify.invariants.InvariantViolation`` naming the
-        invariant and the block otherwise. O(num_blocks)."""
-        from kvref.verify.invariants import check_block_pool
-        check_block_pool(self)
