@@ -29,6 +29,9 @@ It is never in the free queue, never cached, never freed; like vLLM, its
     [1, 2]
     >>> pool.get_num_free_blocks()
     1
+
+Eviction lives here, in the free queue and in the managers' free order:
+``docs/contributing.md`` ("Adding an eviction rule") lists each place.
 """
 
 from __future__ import annotations
