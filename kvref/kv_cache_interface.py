@@ -37,6 +37,10 @@ the numbers through.
 Which spec classes exist and which managers serve them is the registry's
 business (``kvref.kv_cache_spec_registry``): every spec class here is
 registered there by ``register_all_kvcache_specs``.
+
+Adding an attention type starts here; ``docs/contributing.md`` lists every
+other file it touches (the manager and its registration, the config builder,
+the attention masks, the runner, the checks), in order.
 """
 
 from __future__ import annotations

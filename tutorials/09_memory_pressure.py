@@ -38,6 +38,7 @@ import torch
 from kvref import KVCacheManager
 from kvref.engine import LLM, EngineCore, ModelFreeRunner, SamplingParams, Scheduler
 from kvref.viz.workloads import VOCAB, pressure
+from kvref.verify.invariants import check_kv_cache_manager
 
 from _draw import pool_row, step_timeline
 from _lesson import claim, finish, section, show, start, tiny_llama
@@ -260,7 +261,7 @@ def run_pressure(gate):
         clock += 1
         if scheduler.has_unfinished_requests():
             core.step()
-            manager.check_valid()
+            check_kv_cache_manager(manager)
     return scheduler
 
 

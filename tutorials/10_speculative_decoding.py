@@ -42,7 +42,8 @@ from kvref.attention import default_scale, make_kv_cache, paged_attention, write
 from kvref.engine import (LLM, AsyncScheduler, ModelFreeRunner, NgramProposer, SamplingParams,
                           Scheduler)
 from kvref.engine.core import make_engine_core
-from kvref.verify.invariants import InvariantViolation, check, check_prefix_hit
+from kvref.verify.invariants import (InvariantViolation, check, check_kv_cache_manager,
+                                     check_prefix_hit)
 from kvref.viz import render_pool
 from kvref.worker import BlockTable
 
@@ -467,7 +468,7 @@ def async_rows(async_scheduling, k=0):
     scheduler.schedule, scheduler.update_from_output = logged_schedule, logged_update
     while core.has_work():
         core.step()
-        manager.check_valid()
+        check_kv_cache_manager(manager)
     core.shutdown()
     return rows, req, runner
 
@@ -548,7 +549,7 @@ async_spec = LLM(model, block_size=B, num_gpu_blocks=64, max_model_len=64, devic
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_min": 2, "prompt_lookup_max": 3})
 for engine in (async_plain, async_spec):
-    engine.after_step.append(lambda e: e.kv_cache_manager.check_valid())
+    engine.after_step.append(lambda e: check_kv_cache_manager(e.kv_cache_manager))
 got_plain = [o.outputs[0].token_ids for o in async_plain.generate(prompts, params)]
 got_spec = [o.outputs[0].token_ids for o in async_spec.generate(prompts, params)]
 claim(got_plain == expected and got_spec == expected,

@@ -12,11 +12,12 @@ One module per vLLM file, same names::
                                      cache groups and a pool (get_kv_cache_groups,
                                      get_kv_cache_configs; its largest part)
 
-Imports only go down this list, to the vocabulary modules one level up
-(``kv_cache_interface``, ``request``, ``kv_events``, ``stats``, ``hashing``,
-``math_utils``), and to one module outside: both ``check_valid`` methods
-import ``kvref.verify.invariants`` inside the method (the checker reads the
-core, so a top-level import would be a cycle). ``tests/test_layout.py``
-checks all three. Import from ``kvref`` itself:
-``from kvref import KVCacheManager``.
+Imports only go down: along this list, and to the vocabulary modules beside
+the package (``kv_cache_interface``, ``kv_cache_spec_registry``, ``request``,
+``kv_events``, ``stats``, ``hashing``, ``math_utils``), never up to what reads
+the core (``kvref.verify``, ``kvref.engine``, ``kvref.viz``, ...), not even
+inside a function. The invariant checker reads the core from outside:
+``kvref.verify.invariants.check_kv_cache_manager(manager, popped_blocks=...)``
+and ``check_block_pool(pool)``. ``tests/test_layout.py`` enforces all of it.
+Import from ``kvref`` itself: ``from kvref import KVCacheManager``.
 """

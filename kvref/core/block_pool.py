@@ -29,6 +29,9 @@ It is never in the free queue, never cached, never freed; like vLLM, its
     [1, 2]
     >>> pool.get_num_free_blocks()
     1
+
+Eviction lives here, in the free queue and in the managers' free order:
+``docs/contributing.md`` ("Adding an eviction rule") lists each place.
 """
 
 from __future__ import annotations
@@ -453,10 +456,3 @@ class BlockPool:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
-
-    def check_valid(self) -> None:
-        """Assert every pool invariant of ``specs/`` (an expensive no-op when all
-        is well); raises ``kvref.verify.invariants.InvariantViolation`` naming the
-        invariant and the block otherwise. O(num_blocks)."""
-        from kvref.verify.invariants import check_block_pool
-        check_block_pool(self)

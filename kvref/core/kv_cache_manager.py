@@ -391,12 +391,3 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         """The scheduler starts a step (Mamba: this step's cached states become hittable)."""
         self.coordinator.new_step_starts()
-
-    def check_valid(self, popped_blocks: Sequence[Sequence[KVCacheBlock]] = ()) -> None:
-        """Assert every invariant of ``specs/`` that one snapshot can show: pool,
-        free queue, index and every group's block tables (an expensive no-op
-        when all is well). ``popped_blocks``: lists from ``pop_blocks_for_free``
-        not yet handed back to ``block_pool.free_blocks``. Raises
-        ``kvref.verify.invariants.InvariantViolation``."""
-        from kvref.verify.invariants import check_kv_cache_manager
-        check_kv_cache_manager(self, popped_blocks)

@@ -879,7 +879,7 @@ class Scheduler:
 
     def deferred_blocks(self) -> list[list]:
         """The block lists parked by deferred frees (for the invariant checker:
-        ``kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())``)."""
+        ``check_kv_cache_manager(manager, popped_blocks=scheduler.deferred_blocks())``)."""
         return [blocks for _, blocks in self.deferred_frees]
 
     # -- KV connector ------------------------------------------------------------

@@ -46,6 +46,7 @@ from typing import Any
 from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                       SlidingWindowSpec)
+from kvref.verify.invariants import check_kv_cache_manager
 
 TRACE_FORMAT = "kvref-vllm-scheduler-trace/1"
 # A connector run aborts its unfinished requests after this many engine iterations in
@@ -373,7 +374,8 @@ def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> Replay
             loop.step()
             if scheduler.connector is not None:
                 log.abort_if_stalled(first_event)
-            scheduler.kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())
+            check_kv_cache_manager(scheduler.kv_cache_manager,
+                                   popped_blocks=scheduler.deferred_blocks())
             iteration += 1
             if iteration > max_iterations:
                 raise RuntimeError("the replay did not finish")

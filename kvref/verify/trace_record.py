@@ -54,7 +54,7 @@ _READ_ONLY_POOL = frozenset({"blocks", "null_block", "free_block_queue", "num_gp
 _READ_ONLY_MANAGER = frozenset({"empty_kv_cache_blocks", "num_kv_cache_groups",
                                 "max_model_len", "kv_cache_config", "enable_caching",
                                 "log_stats", "use_eagle", "watermark_blocks",
-                                "create_kv_cache_blocks", "check_valid"})
+                                "create_kv_cache_blocks"})
 
 
 def group_header(spec) -> dict:

@@ -44,6 +44,7 @@ from kvref.request import (
     Request,
     RequestStatus,
 )
+from kvref.verify.invariants import check_kv_cache_manager
 
 TRACE_FORMAT = "kvtrace/1"
 HASH_FUNCTIONS = {"sha256": sha256, "sha256_cbor": sha256_cbor}
@@ -488,7 +489,7 @@ def replay(trace: dict, compare_hashes: bool = True,
            check_invariants: bool = False, replayer_class: type | None = None) -> ReplayResult:
     """Replay a whole trace; stop at the first divergence.
 
-    ``check_invariants`` also runs ``KVCacheManager.check_valid`` after every op
+    ``check_invariants`` also runs ``invariants.check_kv_cache_manager`` after every op
     (a violation raises ``InvariantViolation``). ``replayer_class`` replays on
     something else than kvref (a ``TraceReplayer`` subclass building another
     manager, as ``tools/vllm_versions.py`` does for a named vLLM release)."""
@@ -509,7 +510,7 @@ def replay(trace: dict, compare_hashes: bool = True,
     for i, op in enumerate(trace["ops"]):
         observed = replayer.run(op)
         if check_invariants:
-            replayer.manager.check_valid(popped_blocks=replayer.handles.values())
+            check_kv_cache_manager(replayer.manager, popped_blocks=replayer.handles.values())
         expected = op.get("expect")
         if expected is None:
             continue

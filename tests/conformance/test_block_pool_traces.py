@@ -27,6 +27,7 @@ from kvref.core.block_pool import BlockPool
 from kvref.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from kvref.hashing import sha256
 from kvref.request import LoRARequest, Request
+from kvref.verify.invariants import check_block_pool
 
 # Events are written as the recorder wrote vLLM's (one function for both sides).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -90,7 +91,7 @@ def replay(trace: dict) -> int:
     """Run every op on a fresh kvref pool; AssertionError at the first difference
     from vLLM. Returns the number of ops replayed."""
     pool = BlockPool(**trace["pool"])
-    pool.check_valid()
+    check_block_pool(pool)
     requests: dict[str, Request] = {}
     state = pool_state(pool)
     blocks = lambda ids: [pool.blocks[i] for i in ids]  # noqa: E731
@@ -134,7 +135,7 @@ def replay(trace: dict) -> int:
             assert now[part] == state[part], (
                 f"{where}: pool {part} after the op is {now[part]} on kvref, "
                 f"{state[part]} on vLLM")
-        pool.check_valid()
+        check_block_pool(pool)
     return len(trace["ops"])
 
 

@@ -19,6 +19,7 @@ from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheMan
 from kvref.engine import (AsyncEngineCore, AsyncScheduler, EngineCore, ModelFreeRunner,
                           NgramProposer, SamplingParams, Scheduler)
 from kvref.engine.llm import LLM, default_batch_limits
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .hf_models import DEVICES, assert_matches_transformers, llama
 from .test_llm import StepWatcher, make_llm, shared_prefix_prompts
@@ -39,7 +40,8 @@ def run(core, requests, check=None):
     while core.has_work():
         core.step()
         scheduler = core.scheduler
-        scheduler.kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())
+        check_kv_cache_manager(scheduler.kv_cache_manager,
+                               popped_blocks=scheduler.deferred_blocks())
         if check:
             check(core)
     core.shutdown()
@@ -146,10 +148,10 @@ def test_a_kv_consumer_defers_the_frees_of_a_request_still_in_flight():
     assert req.last_sched_seq == 1 > sched.processed_step_seq == 0
     assert [[b.block_id for b in blocks] for blocks in sched.deferred_blocks()] == [held]
     assert pool.get_num_free_blocks() == free_before          # not back yet
-    sched.kv_cache_manager.check_valid(popped_blocks=sched.deferred_blocks())
+    check_kv_cache_manager(sched.kv_cache_manager, popped_blocks=sched.deferred_blocks())
     while core.has_work():
         core.step()
-        sched.kv_cache_manager.check_valid(popped_blocks=sched.deferred_blocks())
+        check_kv_cache_manager(sched.kv_cache_manager, popped_blocks=sched.deferred_blocks())
     core.shutdown()
     assert sched.deferred_blocks() == [] and pool.get_num_free_blocks() == 39
     # Freed in reverse, as free() does: the cached full blocks join the tail last

@@ -17,6 +17,7 @@ from __future__ import annotations
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager, RequestStatus
 from kvref.engine import AsyncScheduler, ModelFreeRunner, SamplingParams
 from kvref.engine.outputs import ModelRunnerOutput
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .scripted_connector import BLOCK, Script, engine, step_until_idle
 
@@ -45,7 +46,8 @@ def assert_all_free(scheduler, num_blocks: int) -> None:
 def step(scheduler, core, n: int = 1) -> None:
     for _ in range(n):
         core.step()
-        scheduler.kv_cache_manager.check_valid(popped_blocks=scheduler.deferred_blocks())
+        check_kv_cache_manager(scheduler.kv_cache_manager,
+                               popped_blocks=scheduler.deferred_blocks())
 
 
 def test_an_async_load_is_not_cached_before_it_lands():

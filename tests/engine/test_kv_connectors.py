@@ -14,6 +14,7 @@ import pytest
 from kvref import RequestStatus
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.engine import LLM, SamplingParams
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .hf_models import hybrid, llama
 from .test_llm import shared_prefix_prompts
@@ -44,7 +45,7 @@ def check_scheduler(llm: LLM) -> None:
     s = llm.scheduler
     # The CPU tier holds a reference on the device blocks it is copying.
     held = getattr(s.connector, "gpu_blocks_held", lambda: [])()
-    llm.kv_cache_manager.check_valid(popped_blocks=[*s.deferred_blocks(), *held])
+    check_kv_cache_manager(llm.kv_cache_manager, popped_blocks=[*s.deferred_blocks(), *held])
     queued = [r.request_id for r in [*s.running, *s.waiting, *s.skipped_waiting]]
     assert len(queued) == len(set(queued)), "a request is in two queues"
     for req_id, request in s.requests.items():

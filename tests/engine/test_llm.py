@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kvref import BlockRemoved
 from kvref.engine import LLM, SamplingParams
 from kvref.math_utils import cdiv
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .hf_models import DEVICES, assert_matches_transformers, hybrid, llama, reference
 from .limits import Limits, watch_limits
@@ -49,7 +50,7 @@ class StepWatcher:
 
     def __call__(self, llm: LLM) -> None:
         manager = llm.kv_cache_manager
-        manager.check_valid()
+        check_kv_cache_manager(manager)
         self.num_steps += 1
         self.evicted_blocks += sum(len(e.block_hashes) for e in llm.scheduler.take_events()
                                    if isinstance(e, BlockRemoved))

@@ -19,6 +19,7 @@ from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheMan
 from kvref.engine import LLM, ModelFreeRunner, NgramProposer, SamplingParams, Scheduler
 from kvref.engine import engine_step
 from kvref.math_utils import cdiv
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .hf_models import hybrid, llama, reference
 from .limits import Limits, watch_limits
@@ -111,7 +112,7 @@ def test_model_free_requests_with_drafts_stop_at_max_model_len(block_size, max_m
         if not scheduler.has_unfinished_requests():
             break
         engine_step(scheduler, runner)
-        manager.check_valid()
+        check_kv_cache_manager(manager)
     assert not scheduler.has_unfinished_requests()
     for prompt, request in zip(prompts, requests):
         assert request.num_tokens == max_model_len

@@ -21,6 +21,7 @@ from kvref import (
 )
 from kvref.engine import EngineRequest, ModelFreeRunner, SamplingParams, Scheduler, engine_step
 from kvref.engine.ngram_proposer import NgramProposer
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .limits import Limits, watch_limits
 
@@ -54,7 +55,7 @@ def run_to_completion(scheduler: Scheduler, runner: ModelFreeRunner,
             arrived[request_id] = scheduler.new_request(request_id, prompt, params)
         if scheduler.has_unfinished_requests():
             engine_step(scheduler, runner)
-        scheduler.kv_cache_manager.check_valid()          # every invariant of specs/
+        check_kv_cache_manager(scheduler.kv_cache_manager)   # every invariant of specs/
         step += 1
         assert step < max_steps, "the scheduler made no progress"
     return arrived
@@ -150,7 +151,7 @@ def test_num_cached_tokens_is_the_last_admission_before_the_first_token():
     while scheduler.has_unfinished_requests():
         num_outputs = len(a.output_token_ids)
         engine_step(scheduler, runner)
-        scheduler.kv_cache_manager.check_valid()
+        check_kv_cache_manager(scheduler.kv_cache_manager)
         if "a" in scheduler.step_records[-1].prefix_hit_tokens:
             admissions.append((scheduler.step_records[-1].prefix_hit_tokens["a"], num_outputs))
     assert admissions == [(0, 0), (8, 0), (4, 0)]
@@ -240,7 +241,7 @@ def test_finished_and_aborted_requests_free_their_blocks():
     assert "b" not in scheduler.requests
     run_to_completion(scheduler, runner)
     assert manager.block_pool.get_num_free_blocks() == 15       # all but the null block
-    manager.check_valid()
+    check_kv_cache_manager(manager)
 
 
 def test_sliding_window_blocks_become_null_blocks_as_the_window_moves():

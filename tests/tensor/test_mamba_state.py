@@ -8,6 +8,7 @@ import torch
 
 from kvref import FullAttentionSpec, MambaSpec
 from kvref.attention.mamba_state import make_state_cache, mamba_step, recurrence_reference
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .driver import DEVICES, Run, check_step
 
@@ -56,7 +57,7 @@ def test_states_in_manager_blocks_equal_full_recomputation(config, device):
     run = Run(CONFIGS[config], num_blocks=40, device=device)
     for step in run_scenario(run):
         check_step(run, step)
-    run.manager.check_valid()
+    check_kv_cache_manager(run.manager)
     # b's first admission continued from a's cached state at 16 tokens, and its
     # re-admission after preemption from its own state at 28
     assert run.admissions == [("a", 0), ("b", 16), ("b", 28), ("c", 8)]

@@ -12,6 +12,7 @@ import torch
 
 from kvref import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from kvref.attention import make_kv_cache, paged_attention, visible_key_range, write_kv
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .driver import DEVICES, Run, check_step
 
@@ -81,7 +82,7 @@ def test_manager_tables_give_sdpa_outputs(config, device):
     run = Run(num_blocks=48, device=device, **CONFIGS[config])
     for step in mixed_run(run):
         check_step(run, step)
-    run.manager.check_valid()
+    check_kv_cache_manager(run.manager)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -31,6 +31,7 @@ from kvref.attention import (
     paged_attention,
     to_flashinfer,
 )
+from kvref.verify.invariants import check_kv_cache_manager
 
 from .driver import Run, check_step, chunk_of, window_of
 
@@ -134,7 +135,7 @@ def test_random_schedules_keep_every_step_exact(name, specs, data):
                 waiting.append(victim)
             else:
                 run.finish(victim)
-    run.manager.check_valid()
+    check_kv_cache_manager(run.manager)
     event(f"prefix hits: {sum(1 for _, n in run.admissions if n)}")
 
 

@@ -44,6 +44,9 @@ connector always sees one group; asked explicitly for the hybrid manager, the
 engine refuses to build it. kvref's ``P2pConnector`` (vLLM's NIXL and Mooncake
 connectors have ``SupportsHMA``) and ``SimpleCPUOffloadConnector`` support it;
 ``ExampleConnector`` does not, as vLLM's does not.
+
+A new connector subclasses ``KVConnectorBase_V1``; ``docs/contributing.md``
+("Adding a KV connector") lists the other files it touches.
 """
 
 from __future__ import annotations
