@@ -203,7 +203,7 @@ class SchedulerStats:
 class _StepState:
     """What one ``schedule()`` has decided so far, handed from step to step of it.
 
-    vLLM keeps these as locals of its ``schedule`` (``scheduler.py:409-428``);
+    vLLM keeps these as locals of its ``schedule`` (``scheduler.py:409-427``);
     ``prefix_hit_tokens`` and ``skipped`` (vLLM's ``step_skipped_waiting``,
     ``scheduler.py:638``) are the only additions.
     """
@@ -462,7 +462,8 @@ class Scheduler:
         parts, each a method below that names its vLLM lines: the RUNNING
         requests, the WAITING ones, the output. What the step has decided so
         far (the token budget, who is scheduled with how many tokens, who was
-        preempted) travels between them in one ``_StepState``.
+        preempted) travels between them in one ``_StepState``. The module's
+        docstring draws the whole step.
         """
         step = _StepState(token_budget=self.max_num_scheduled_tokens)
         self.kv_cache_manager.new_step_starts()
@@ -477,11 +478,13 @@ class Scheduler:
         #    request advances.
         output = self._make_scheduler_output(step)
         if self.connector is not None:
-            # Plans this step's loads and saves; resets the connector's per-step state.
+            # Plans this step's loads and saves; resets the connector's per-step
+            # state (vLLM's scheduler.py:1111-1117).
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._record_step(output, step.scheduled_new, step.scheduled_resumed, step.preempted,
                           step.prefix_hit_tokens)
-        # The fence counts only steps that write KV (whose output comes back).
+        # The fence counts only steps that write KV (whose output comes back;
+        # vLLM's scheduler.py:1126-1129).
         if self.defer_block_free and output.total_num_scheduled_tokens > 0:
             self.sched_step_seq += 1
         self._update_after_schedule(output)
@@ -613,7 +616,7 @@ class Scheduler:
 
     def _get_computed_tokens(self, request: EngineRequest) -> _ComputedTokens | None:
         """A waiting request's computed tokens: the local prefix hit, then what a
-        connector brings after it (vLLM's ``scheduler.py:682-796``).
+        connector brings after it (vLLM's ``scheduler.py:682-790``).
 
         None: the connector cannot tell yet; the request is asked again next step.
         """
