@@ -602,7 +602,7 @@ class Scheduler:
                 continue
             num_new_tokens, pad_spec_decode = self._num_new_tokens_waiting(request, hit, step)
             if num_new_tokens is None:
-                break
+                break                             # 1 + k, or an uncut prompt, does not fit
             if not self._allocate_waiting(request, hit, num_new_tokens):
                 break                             # no room: it stays first in line
 
