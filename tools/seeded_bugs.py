@@ -538,31 +538,31 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
               "long_prefill_token_threshold caps a request when admitted, not its later "
               "chunks",
               "kvref/engine/scheduler.py",
-              "                              - request.num_computed_tokens)\n"
-              "            if 0 < self.long_prefill_token_threshold < num_new_tokens:\n"
-              "                num_new_tokens = self.long_prefill_token_threshold\n",
-              "                              - request.num_computed_tokens)\n",
+              "                          - request.num_computed_tokens)\n"
+              "        if 0 < self.long_prefill_token_threshold < num_new_tokens:\n"
+              "            num_new_tokens = self.long_prefill_token_threshold\n",
+              "                          - request.num_computed_tokens)\n",
               kind="every-chunk"),
     SeededBug("max-model-len-cap-off-by-one",
               "a running request may be scheduled up to position max_model_len "
               "(drafts reach past the last position)",
               "kvref/engine/scheduler.py",
-              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
-              "                                 self.max_model_len - request.num_computed_tokens)",
+              "                             self.max_model_len - 1 - request.num_computed_tokens)",
+              "                             self.max_model_len - request.num_computed_tokens)",
               kind="edges"),
     SeededBug("max-num-seqs-off-by-one",
               "one request more than max_num_seqs may run",
               "kvref/engine/scheduler.py",
-              "                if len(self.running) >= self.max_num_running_reqs:",
-              "                if len(self.running) > self.max_num_running_reqs:",
+              "            if len(self.running) >= self.max_num_running_reqs:",
+              "            if len(self.running) > self.max_num_running_reqs:",
               kind="every-chunk"),
     SeededBug("running-budget-uncapped",
               "a running request's chunk is not cut to the remaining token budget",
               "kvref/engine/scheduler.py",
-              "            num_new_tokens = min(num_new_tokens, token_budget,\n"
-              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
-              "            num_new_tokens = min(num_new_tokens,\n"
-              "                                 self.max_model_len - 1 - request.num_computed_tokens)",
+              "        num_new_tokens = min(num_new_tokens, token_budget,\n"
+              "                             self.max_model_len - 1 - request.num_computed_tokens)",
+              "        num_new_tokens = min(num_new_tokens,\n"
+              "                             self.max_model_len - 1 - request.num_computed_tokens)",
               kind="every-chunk"),
     SeededBug("drafts-not-cut-to-budget",
               "the whole draft is scheduled although the budget cut the step",
@@ -572,8 +572,8 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
     SeededBug("victim-oldest",
               "a full pool preempts the oldest running request, not the last admitted",
               "kvref/engine/scheduler.py",
-              "                victim = self.running.pop()",
-              "                victim = self.running.pop(0)", kind="engine"),
+              "            victim = self.running.pop()",
+              "            victim = self.running.pop(0)", kind="engine"),
     SeededBug("stop-one-past-max-model-len",
               "check_stop lets a request reach max_model_len + 1 tokens",
               "kvref/engine/request.py",
@@ -583,9 +583,9 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
     SeededBug("num-cached-overwritten-on-resume",
               "num_cached_tokens is overwritten by a resume after the first token",
               "kvref/engine/scheduler.py",
-              "                if not request.output_token_ids:\n"
-              "                    request.num_cached_tokens = num_computed_tokens\n",
-              "                request.num_cached_tokens = num_computed_tokens\n",
+              "        if not request.output_token_ids:\n"
+              "            request.num_cached_tokens = num_computed_tokens\n",
+              "        request.num_cached_tokens = num_computed_tokens\n",
               kind="vllm-rule"),
     SeededBug("cached-stat-counts-outputs",
               "prompt_tokens_cached counts a resumed request's cached output tokens too",
@@ -629,14 +629,14 @@ _ASYNC = "kvref/engine/async_scheduler.py"
 CONNECTOR_CATALOGUE: list[SeededBug] = [
     SeededBug("load-cached-before-landing",
               "an asynchronous load's blocks are cached when allocated, before the KV lands",
-              _SCHED, "                    delay_cache_blocks=load_kv_async,\n",
-              "                    delay_cache_blocks=False,\n", kind="connector"),
+              _SCHED, "            delay_cache_blocks=hit.load_kv_async,\n",
+              "            delay_cache_blocks=False,\n", kind="connector"),
     SeededBug("reserved-blocks-ignored-by-scheduler",
               "an asynchronous load is admitted without reserving what prefills in flight "
               "still need",
-              _SCHED, "                reserved_blocks = self._inflight_prefill_reserved_blocks() \\\n"
-                      "                    if load_kv_async else 0\n",
-              "                reserved_blocks = 0\n", kind="connector"),
+              _SCHED, "        reserved_blocks = self._inflight_prefill_reserved_blocks() \\\n"
+                      "            if hit.load_kv_async else 0\n",
+              "        reserved_blocks = 0\n", kind="connector"),
     SeededBug("producer-frees-at-once",
               "a producer's blocks are freed when its request finishes, while they are "
               "still being sent",
@@ -664,7 +664,7 @@ CONNECTOR_CATALOGUE: list[SeededBug] = [
     SeededBug("fence-counts-empty-steps",
               "the deferred-free fence counts steps that schedule nothing (whose output "
               "never advances it)",
-              _SCHED, "        if self.defer_block_free and total > 0:\n",
+              _SCHED, "        if self.defer_block_free and output.total_num_scheduled_tokens > 0:\n",
               "        if self.defer_block_free:\n", kind="async"),
     SeededBug("whole-load-no-recompute",
               "a load of the whole prompt leaves nothing to compute (the last prompt token "
@@ -693,8 +693,8 @@ CONNECTOR_CATALOGUE: list[SeededBug] = [
     SeededBug("skipped-order-reversed",
               "requests skipped this step (loading, or told to ask again) come back in "
               "reverse order",
-              _SCHED, "            self.skipped_waiting.extendleft(reversed(step_skipped))\n",
-              "            self.skipped_waiting.extendleft(step_skipped)\n", kind="connector"),
+              _SCHED, "        self.skipped_waiting.extendleft(reversed(step.skipped))\n",
+              "        self.skipped_waiting.extendleft(step.skipped)\n", kind="connector"),
     SeededBug("placeholders-cached",
               "async: update_from_output caches up to num_computed_tokens, placeholders "
               "included",
@@ -716,9 +716,9 @@ CONNECTOR_CATALOGUE: list[SeededBug] = [
     SeededBug("load-not-reserved-for",
               "an asynchronous load is not counted among the prefills in flight (vLLM "
               "counts it, which is how stall 4's ghost reservation arises)",
-              _SCHED, "                    self._inflight_prefills.add(request)\n"
-                      "                    step_skipped.append(request)\n",
-              "                    step_skipped.append(request)\n", kind="connector"),
+              _SCHED, "        self._inflight_prefills.add(request)\n"
+                      "        step.skipped.append(request)\n",
+              "        step.skipped.append(request)\n", kind="connector"),
 ]
 
 INVARIANT_ID = re.compile(r"\bINV-[A-Z]+-\d+\b")

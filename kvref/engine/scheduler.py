@@ -129,6 +129,7 @@ import sys
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvref import (HybridKVCacheCoordinator, KVCacheBlocks, KVCacheManager, RequestStatus,
                    get_request_block_hasher, init_none_hash, sha256)
@@ -198,6 +199,40 @@ class SchedulerStats:
     num_padding_refusals: int = 0
 
 
+@dataclass(slots=True)
+class _StepState:
+    """What one ``schedule()`` has decided so far, handed from step to step of it.
+
+    vLLM keeps these as locals of its ``schedule`` (``scheduler.py:409-427``);
+    ``prefix_hit_tokens`` and ``skipped`` (vLLM's ``step_skipped_waiting``,
+    ``scheduler.py:638``) are the only additions.
+    """
+
+    token_budget: int                     # tokens left to hand out this step
+    scheduled_new: list[EngineRequest] = field(default_factory=list)
+    scheduled_resumed: list[EngineRequest] = field(default_factory=list)
+    scheduled_running: list[EngineRequest] = field(default_factory=list)
+    preempted: list[EngineRequest] = field(default_factory=list)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Whether a running request scheduled this step is still prefilling.
+    prefill_scheduled: bool = False
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)   # for the StepRecord
+    # Waiting requests passed over this step (loading, or told to ask again).
+    skipped: list[EngineRequest] = field(default_factory=list)
+
+
+class _ComputedTokens(NamedTuple):
+    """A waiting request's computed tokens as the waiting loop found them."""
+
+    new_computed_blocks: KVCacheBlocks    # the local hit's blocks
+    num_new_local_computed_tokens: int    # the local hit
+    num_external_computed_tokens: int     # what the connector brings after it
+    num_computed_tokens: int              # the two together
+    load_kv_async: bool                   # the connector loads them asynchronously
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -224,7 +259,8 @@ class Scheduler:
         num_speculative_tokens: k, the drafts per step of the engine's proposer
             (0: no speculation). A waiting request with one token left to
             compute is then scheduled as ``1 + k`` tokens with ``-1`` drafts
-            (vLLM's padding to the uniform decode shape); see ``schedule``.
+            (vLLM's padding to the uniform decode shape); see
+            ``_num_new_tokens_waiting``.
         kv_consumer: a KV connector loads KV into this engine's blocks (vLLM's
             ``kv_transfer_config.is_kv_consumer``). With more than one batch in
             flight (``AsyncScheduler``) the blocks of a request freed while a
@@ -290,23 +326,7 @@ class Scheduler:
         # (``reserved_blocks``; why: ``_inflight_prefill_reserved_blocks``).
         self._inflight_prefills: set[EngineRequest] = set()
 
-        # KV connector (vLLM's KVTransfer), scheduler side.
-        self.connector = None
-        self.recompute_kv_load_failures = True
-        if kv_transfer_config is not None:
-            self.connector = KVConnectorFactory.create_connector(
-                kv_transfer_config, KVConnectorRole.SCHEDULER, kv_cache_manager.kv_cache_config,
-                disable_hybrid_kv_cache_manager=resolve_disable_hybrid_kv_cache_manager(
-                    kv_transfer_config, disable_hybrid_kv_cache_manager))
-            self.recompute_kv_load_failures = \
-                kv_transfer_config.kv_load_failure_policy == "recompute"
-            # Once, now that the manager exists (vLLM builds it after the connector).
-            self.connector.bind_gpu_block_pool(kv_cache_manager.block_pool)
-        # Tokens asked of the connector beyond the local hit, and those it had.
-        self.connector_prefix_cache_stats = PrefixCacheStats() if self.connector else None
-        self.finished_recving_kv_req_ids: set[str] = set()
-        self.failed_recving_kv_req_ids: set[str] = set()
-        self._async_local_hits: dict[str, int] = {}   # req -> local hit when its load began
+        self._init_kv_connector(kv_transfer_config, disable_hybrid_kv_cache_manager)
 
         self.finished_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
@@ -337,6 +357,28 @@ class Scheduler:
         self.sched_step_seq = 0
         self.processed_step_seq = 0
         self.deferred_frees: deque[tuple[int, list]] = deque()
+
+    def _init_kv_connector(self, kv_transfer_config: KVTransferConfig | None,
+                           disable_hybrid_kv_cache_manager: bool | None) -> None:
+        """The KV connector (vLLM's KVTransfer), scheduler side, and its state
+        (vLLM's ``scheduler.py:126-144, 200, 276-280``)."""
+        self.connector = None
+        self.recompute_kv_load_failures = True
+        if kv_transfer_config is not None:
+            self.connector = KVConnectorFactory.create_connector(
+                kv_transfer_config, KVConnectorRole.SCHEDULER,
+                self.kv_cache_manager.kv_cache_config,
+                disable_hybrid_kv_cache_manager=resolve_disable_hybrid_kv_cache_manager(
+                    kv_transfer_config, disable_hybrid_kv_cache_manager))
+            self.recompute_kv_load_failures = \
+                kv_transfer_config.kv_load_failure_policy == "recompute"
+            # Once, now that the manager exists (vLLM builds it after the connector).
+            self.connector.bind_gpu_block_pool(self.kv_cache_manager.block_pool)
+        # Tokens asked of the connector beyond the local hit, and those it had.
+        self.connector_prefix_cache_stats = PrefixCacheStats() if self.connector else None
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        self._async_local_hits: dict[str, int] = {}   # req -> local hit when its load began
 
     # -- requests in and out -------------------------------------------------
 
@@ -414,231 +456,337 @@ class Scheduler:
     # -- one step ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's requests and tokens; allocate their KV blocks."""
-        manager = self.kv_cache_manager
-        scheduled_new: list[EngineRequest] = []
-        scheduled_resumed: list[EngineRequest] = []
-        scheduled_running: list[EngineRequest] = []
-        preempted: list[EngineRequest] = []
-        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
-        num_scheduled_tokens: dict[str, int] = {}
-        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-        prefix_hit_tokens: dict[str, int] = {}
-        token_budget = self.max_num_scheduled_tokens
-        # Whether a running request scheduled this step is still prefilling.
-        prefill_scheduled = False
-        manager.new_step_starts()
+        """Choose this step's requests and tokens; allocate their KV blocks.
+
+        vLLM's ``schedule`` (``scheduler.py:396-1133``), told in its three
+        parts, each a method below that names its vLLM lines: the RUNNING
+        requests, the WAITING ones, the output. What the step has decided so
+        far (the token budget, who is scheduled with how many tokens, who was
+        preempted) travels between them in one ``_StepState``. The module's
+        docstring draws the whole step.
+        """
+        step = _StepState(token_budget=self.max_num_scheduled_tokens)
+        self.kv_cache_manager.new_step_starts()
 
         # 1. RUNNING requests first, in the order they were admitted.
+        self._schedule_running(step)
+        # 2. WAITING requests, unless this step had to preempt (the pool is tight).
+        if not step.preempted:
+            self._schedule_waiting(step)
+
+        # 3. The output, the connector's plan for it, then every scheduled
+        #    request advances.
+        output = self._make_scheduler_output(step)
+        if self.connector is not None:
+            # Plans this step's loads and saves; resets the connector's per-step
+            # state (vLLM's scheduler.py:1111-1117).
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self._record_step(output, step.scheduled_new, step.scheduled_resumed, step.preempted,
+                          step.prefix_hit_tokens)
+        # The fence counts only steps that write KV (whose output comes back;
+        # vLLM's scheduler.py:1126-1129).
+        if self.defer_block_free and output.total_num_scheduled_tokens > 0:
+            self.sched_step_seq += 1
+        self._update_after_schedule(output)
+        return output
+
+    # -- 1. running requests ---------------------------------------------------
+
+    def _schedule_running(self, step: _StepState) -> None:
+        """The RUNNING requests, in admission order (vLLM's ``scheduler.py:440-634``).
+
+        Each gets the tokens it still lacks, capped; a full pool preempts from
+        the tail of ``running`` until the request fits or preempts itself.
+        """
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
-            if (request.num_output_placeholders > 0
-                    and request.num_computed_tokens + 2 - request.num_output_placeholders
-                    >= request.num_prompt_tokens + request.max_tokens):
-                # Async scheduling: the steps in flight already reach max_tokens even
-                # if all their drafts are rejected (placeholders minus the one sampled
-                # token are drafts), so another step would only be thrown away.
+            if self._in_flight_steps_reach_max_tokens(request):
                 req_index += 1
                 continue
-            # Placeholders: tokens of steps in flight, counted in num_computed_tokens
-            # but not yet in num_tokens (always 0 without async scheduling).
-            num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
-                              - request.num_computed_tokens)
-            if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                num_new_tokens = self.long_prefill_token_threshold
-            num_new_tokens = min(num_new_tokens, token_budget,
-                                 self.max_model_len - 1 - request.num_computed_tokens)
+            num_new_tokens = self._num_new_tokens_running(request, step.token_budget)
             if num_new_tokens <= 0:
                 # Nothing to do for it now; later requests may still run (not strict FCFS).
                 req_index += 1
                 continue
 
-            while True:
-                new_blocks = manager.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
-                # Out of blocks: recompute-preempt the last-admitted running request.
-                victim = self.running.pop()
-                self._preempt_request(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break                         # it preempted itself: nothing left to free
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, step)
             if new_blocks is None:
                 break
-
-            scheduled_running.append(request)
-            prefill_scheduled |= request.is_prefill_chunk
-            req_to_new_blocks[request.request_id] = new_blocks
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+            self._schedule_running_request(request, num_new_tokens, new_blocks, step)
             req_index += 1
 
-            if request.spec_token_ids:
-                # The drafts that fit after the real tokens (the budget may cut them).
-                num_spec = (num_new_tokens + request.num_computed_tokens - request.num_tokens
-                            - request.num_output_placeholders)
-                if num_spec > 0:
-                    scheduled_spec_decode_tokens[request.request_id] = \
-                        list(request.spec_token_ids[:num_spec])
-                request.spec_token_ids = []       # the runner proposes fresh ones
+    @staticmethod
+    def _in_flight_steps_reach_max_tokens(request: EngineRequest) -> bool:
+        """Async scheduling: the steps in flight already reach max_tokens even if
+        all their drafts are rejected (placeholders minus the one sampled token
+        are drafts), so another step would only be thrown away (vLLM's
+        ``scheduler.py:445-459``). Never true without placeholders."""
+        return (request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens)
 
-        # 2. WAITING requests, unless this step had to preempt (the pool is tight).
-        if not preempted:
-            step_skipped: list[EngineRequest] = []
-            while (self.waiting or self.skipped_waiting) and token_budget > 0:
-                if len(self.running) >= self.max_num_running_reqs:
-                    break
-                queue = self.skipped_waiting or self.waiting
-                request = queue[0]
-                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS \
-                        and not self._try_promote_blocked_waiting_request(request):
-                    step_skipped.append(queue.popleft())      # still loading
-                    continue
+    def _num_new_tokens_running(self, request: EngineRequest, token_budget: int) -> int:
+        """What a running request still lacks, capped by the threshold, the budget
+        and max_model_len - 1 (vLLM's ``scheduler.py:473-489``)."""
+        # Placeholders: tokens of steps in flight, counted in num_computed_tokens
+        # but not yet in num_tokens (always 0 without async scheduling).
+        num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
+                          - request.num_computed_tokens)
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        num_new_tokens = min(num_new_tokens, token_budget,
+                             self.max_model_len - 1 - request.num_computed_tokens)
+        return num_new_tokens
 
-                num_external_computed_tokens = 0
-                load_kv_async = False
-                if request.num_computed_tokens == 0:
-                    if self.connector is not None and manager.kv_cache_config.has_mamba_layers \
-                            and isinstance(manager.coordinator, HybridKVCacheCoordinator):
-                        # A Mamba hybrid with a connector (vLLM's scheduler.py:689-722):
-                        # each group's own hit, no agreement between groups; the local
-                        # hit handed to the connector is the longest of them (the
-                        # full-attention one), so it brings only what follows.
-                        # Unlike get_computed_blocks, skip_reading_prefix_cache is not
-                        # checked here (nor in vLLM); with caching off the coordinator
-                        # is not the hybrid one, so this path is not taken.
-                        computed, per_group_hits = \
-                            manager.coordinator.find_longest_cache_hit_per_group(
-                                request.block_hashes, request.num_tokens - 1)
-                        new_computed_blocks = manager.create_kv_cache_blocks(computed)
-                        num_new_local_computed_tokens = max(per_group_hits)
-                        if manager.log_stats:
-                            manager.prefix_cache_stats.record(
-                                num_tokens=request.num_tokens,
-                                num_hits=num_new_local_computed_tokens,
-                                preempted=request.num_preemptions > 0)
-                    else:
-                        new_computed_blocks, num_new_local_computed_tokens = \
-                            manager.get_computed_blocks(request)
-                    if self.connector is not None:
-                        num_external, load_kv_async = \
-                            self.connector.get_num_new_matched_tokens(
-                                request, num_new_local_computed_tokens)
-                        if num_external is None:
-                            step_skipped.append(queue.popleft())   # ask again next step
-                            continue
-                        num_external_computed_tokens = num_external
-                    num_computed_tokens = (num_new_local_computed_tokens
-                                           + num_external_computed_tokens)
-                    assert num_computed_tokens <= request.num_tokens
-                else:
-                    # A request whose asynchronous load landed: its tokens are computed.
-                    new_computed_blocks = manager.empty_kv_cache_blocks
-                    num_new_local_computed_tokens = 0
-                    num_computed_tokens = request.num_computed_tokens
+    def _allocate_or_preempt(self, request: EngineRequest, num_new_tokens: int,
+                             step: _StepState) -> KVCacheBlocks | None:
+        """``allocate_slots``, preempting until it fits (vLLM's ``scheduler.py:532-582``).
 
-                pad_spec_decode = False
-                if load_kv_async:
-                    num_new_tokens = 0            # nothing computes until the KV lands
-                else:
-                    # num_tokens, not the prompt: a resumed request recomputes its outputs.
-                    num_new_tokens = request.num_tokens - num_computed_tokens
-                    if (self.num_spec_tokens > 0 and num_new_tokens == 1
-                            and scheduled_running and not prefill_scheduled):
-                        # One token left (a prefix hit of all but the last token, new or
-                        # resumed) while the batch is all decodes: vLLM schedules it as a
-                        # decode with k draft slots of -1, so the batch keeps one shape
-                        # (1 + k per request: a full CUDA graph). Rather than admit it
-                        # unpadded, admission stops when 1 + k does not fit.
-                        num_new_tokens = 1 + self.num_spec_tokens
-                        if (num_new_tokens > token_budget
-                                or num_computed_tokens + num_new_tokens > self.max_model_len):
-                            self.stats.num_padding_refusals += 1
-                            break
-                        pad_spec_decode = True
-                    if 0 < self.long_prefill_token_threshold < num_new_tokens:
-                        num_new_tokens = self.long_prefill_token_threshold
-                    if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                        break
-                    num_new_tokens = min(num_new_tokens, token_budget)
-                    # Fails when a connector offered a synchronous hit of the whole
-                    # sequence (a full hit must leave the last token to compute).
-                    assert num_new_tokens > 0, request.request_id
+        None: the request preempted itself, and the running loop stops.
+        """
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            # Out of blocks: recompute-preempt the last-admitted running request.
+            victim = self.running.pop()
+            self._preempt_request(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return None                       # it preempted itself: nothing left to free
 
-                # An async load holds its blocks with no progress until it lands: admit
-                # it only if the in-flight prefills can still finish after it.
-                reserved_blocks = self._inflight_prefill_reserved_blocks() \
-                    if load_kv_async else 0
-                new_blocks = manager.allocate_slots(
-                    request, num_new_tokens,
-                    num_new_computed_tokens=num_new_local_computed_tokens,
-                    new_computed_blocks=new_computed_blocks,
-                    num_external_computed_tokens=num_external_computed_tokens,
-                    delay_cache_blocks=load_kv_async,
-                    full_sequence_must_fit=self.scheduler_reserve_full_isl,
-                    reserved_blocks=reserved_blocks,
-                    has_scheduled_reqs=bool(self.running))
-                if new_blocks is None:
-                    break                         # no room: it stays first in line
+    def _schedule_running_request(self, request: EngineRequest, num_new_tokens: int,
+                                  new_blocks: KVCacheBlocks, step: _StepState) -> None:
+        """Count a running request in, with the drafts that fit (vLLM's
+        ``scheduler.py:584-609``)."""
+        step.scheduled_running.append(request)
+        step.prefill_scheduled |= request.is_prefill_chunk
+        step.req_to_new_blocks[request.request_id] = new_blocks
+        step.num_scheduled_tokens[request.request_id] = num_new_tokens
+        step.token_budget -= num_new_tokens
 
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(
-                        request, manager.get_blocks(request.request_id),
-                        num_external_computed_tokens)
-                    if request.num_computed_tokens == 0:
-                        self.connector_prefix_cache_stats.record(
-                            num_tokens=request.num_tokens - num_new_local_computed_tokens,
-                            num_hits=num_external_computed_tokens,
-                            preempted=request.num_preemptions > 0)
+        if request.spec_token_ids:
+            # The drafts that fit after the real tokens (the budget may cut them).
+            num_spec = (num_new_tokens + request.num_computed_tokens - request.num_tokens
+                        - request.num_output_placeholders)
+            if num_spec > 0:
+                step.scheduled_spec_decode_tokens[request.request_id] = \
+                    list(request.spec_token_ids[:num_spec])
+            request.spec_token_ids = []           # the runner proposes fresh ones
 
-                queue.popleft()
-                if load_kv_async:
-                    # Blocks allocated, uncached; the request waits for its KV.
-                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    request.num_computed_tokens = num_computed_tokens
-                    self._async_local_hits[request.request_id] = num_new_local_computed_tokens
-                    self._count_prompt_tokens_cached(request, num_new_local_computed_tokens)
-                    prefix_hit_tokens[request.request_id] = num_new_local_computed_tokens
-                    self._inflight_prefills.add(request)
-                    step_skipped.append(request)
-                    continue
+    # -- 2. waiting requests ---------------------------------------------------
 
-                self.running.append(request)
-                if request.status == RequestStatus.WAITING:
-                    scheduled_new.append(request)
-                elif request.status == RequestStatus.PREEMPTED:
-                    scheduled_resumed.append(request)
-                else:
-                    raise RuntimeError(f"invalid status {request.status.name} in the "
-                                       f"waiting queue for {request.request_id!r}")
-                req_to_new_blocks[request.request_id] = manager.get_blocks(request.request_id)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-                request.status = RequestStatus.RUNNING
-                if request.request_id in self._async_local_hits:
-                    # Its load landed: what it skips beyond the local hit came from outside.
-                    local = self._async_local_hits.pop(request.request_id)
-                    self._count_prompt_tokens_external(request, local, num_computed_tokens)
-                else:
-                    prefix_hit_tokens[request.request_id] = num_new_local_computed_tokens
-                    self._count_prompt_tokens_cached(request, num_new_local_computed_tokens)
-                    self._count_prompt_tokens_external(request, num_new_local_computed_tokens,
-                                                       num_computed_tokens)
-                request.num_computed_tokens = num_computed_tokens
-                if pad_spec_decode:
-                    scheduled_spec_decode_tokens[request.request_id] = \
-                        [-1] * self.num_spec_tokens
-                    self.stats.num_padded_admissions += 1
-                if not request.output_token_ids:
-                    request.num_cached_tokens = num_computed_tokens
-                if num_computed_tokens + num_new_tokens < request.num_tokens:
-                    self._inflight_prefills.add(request)
-            # Skipped requests keep their order, ahead of the rest next step.
-            self.skipped_waiting.extendleft(reversed(step_skipped))
+    def _schedule_waiting(self, step: _StepState) -> None:
+        """The WAITING requests, first come first served (vLLM's ``scheduler.py:636-1015``).
 
-        total = sum(num_scheduled_tokens.values())
-        assert total <= self.max_num_scheduled_tokens and token_budget >= 0
+        The queue of requests blocked on a load (``skipped_waiting``) is looked
+        at first. For each: find its computed tokens (local hit, then the
+        connector's), decide its tokens, allocate; an asynchronous load is
+        parked, anything else is admitted. A request that does not fit stops
+        admission and stays first in line.
+        """
+        while (self.waiting or self.skipped_waiting) and step.token_budget > 0:
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            queue = self.skipped_waiting or self.waiting
+            request = queue[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS \
+                    and not self._try_promote_blocked_waiting_request(request):
+                step.skipped.append(queue.popleft())      # still loading
+                continue
+
+            hit = self._get_computed_tokens(request)
+            if hit is None:
+                step.skipped.append(queue.popleft())      # ask again next step
+                continue
+            num_new_tokens, pad_spec_decode = self._num_new_tokens_waiting(request, hit, step)
+            if num_new_tokens is None:
+                break                             # 1 + k, or an uncut prompt, does not fit
+            if not self._allocate_waiting(request, hit, num_new_tokens):
+                break                             # no room: it stays first in line
+
+            queue.popleft()
+            if hit.load_kv_async:
+                self._park_async_load(request, hit, step)
+                continue
+            self._admit_waiting(request, hit, num_new_tokens, pad_spec_decode, step)
+        # Skipped requests keep their order, ahead of the rest next step.
+        self.skipped_waiting.extendleft(reversed(step.skipped))
+
+    def _get_computed_tokens(self, request: EngineRequest) -> _ComputedTokens | None:
+        """A waiting request's computed tokens: the local prefix hit, then what a
+        connector brings after it (vLLM's ``scheduler.py:682-790``).
+
+        None: the connector cannot tell yet; the request is asked again next step.
+        """
+        manager = self.kv_cache_manager
+        if request.num_computed_tokens:
+            # A request whose asynchronous load landed: its tokens are computed.
+            return _ComputedTokens(manager.empty_kv_cache_blocks, 0, 0,
+                                   request.num_computed_tokens, False)
+        if self.connector is not None and manager.kv_cache_config.has_mamba_layers \
+                and isinstance(manager.coordinator, HybridKVCacheCoordinator):
+            new_computed_blocks, num_new_local_computed_tokens = \
+                self._mamba_hybrid_local_hit(request)
+        else:
+            new_computed_blocks, num_new_local_computed_tokens = \
+                manager.get_computed_blocks(request)
+        num_external_computed_tokens = 0
+        load_kv_async = False
+        if self.connector is not None:
+            num_external, load_kv_async = self.connector.get_num_new_matched_tokens(
+                request, num_new_local_computed_tokens)
+            if num_external is None:
+                return None
+            num_external_computed_tokens = num_external
+        num_computed_tokens = num_new_local_computed_tokens + num_external_computed_tokens
+        assert num_computed_tokens <= request.num_tokens
+        return _ComputedTokens(new_computed_blocks, num_new_local_computed_tokens,
+                               num_external_computed_tokens, num_computed_tokens,
+                               load_kv_async)
+
+    def _mamba_hybrid_local_hit(self, request: EngineRequest) -> tuple[KVCacheBlocks, int]:
+        """The local hit of a Mamba hybrid with a connector (vLLM's ``scheduler.py:689-722``).
+
+        Each group's own hit, no agreement between groups; the local hit handed
+        to the connector is the longest of them (the full-attention one), so it
+        brings only what follows. Unlike get_computed_blocks,
+        skip_reading_prefix_cache is not checked here (nor in vLLM); with
+        caching off the coordinator is not the hybrid one, so this path is not
+        taken.
+        """
+        manager = self.kv_cache_manager
+        computed, per_group_hits = manager.coordinator.find_longest_cache_hit_per_group(
+            request.block_hashes, request.num_tokens - 1)
+        new_computed_blocks = manager.create_kv_cache_blocks(computed)
+        num_new_local_computed_tokens = max(per_group_hits)
+        if manager.log_stats:
+            manager.prefix_cache_stats.record(
+                num_tokens=request.num_tokens, num_hits=num_new_local_computed_tokens,
+                preempted=request.num_preemptions > 0)
+        return new_computed_blocks, num_new_local_computed_tokens
+
+    def _num_new_tokens_waiting(self, request: EngineRequest, hit: _ComputedTokens,
+                                step: _StepState) -> tuple[int | None, bool]:
+        """A waiting request's tokens this step, and whether they are padded to
+        ``1 + k`` (vLLM's ``scheduler.py:797-843``). None: admission stops."""
+        if hit.load_kv_async:
+            return 0, False                       # nothing computes until the KV lands
+        pad_spec_decode = False
+        # num_tokens, not the prompt: a resumed request recomputes its outputs.
+        num_new_tokens = request.num_tokens - hit.num_computed_tokens
+        if (self.num_spec_tokens > 0 and num_new_tokens == 1
+                and step.scheduled_running and not step.prefill_scheduled):
+            # One token left (a prefix hit of all but the last token, new or
+            # resumed) while the batch is all decodes: vLLM schedules it as a
+            # decode with k draft slots of -1, so the batch keeps one shape
+            # (1 + k per request: a full CUDA graph). Rather than admit it
+            # unpadded, admission stops when 1 + k does not fit.
+            num_new_tokens = 1 + self.num_spec_tokens
+            if (num_new_tokens > step.token_budget
+                    or hit.num_computed_tokens + num_new_tokens > self.max_model_len):
+                self.stats.num_padding_refusals += 1
+                return None, False
+            pad_spec_decode = True
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        if not self.enable_chunked_prefill and num_new_tokens > step.token_budget:
+            return None, False
+        num_new_tokens = min(num_new_tokens, step.token_budget)
+        # Fails when a connector offered a synchronous hit of the whole
+        # sequence (a full hit must leave the last token to compute).
+        assert num_new_tokens > 0, request.request_id
+        return num_new_tokens, pad_spec_decode
+
+    def _allocate_waiting(self, request: EngineRequest, hit: _ComputedTokens,
+                          num_new_tokens: int) -> bool:
+        """``allocate_slots`` for a waiting request, then tell the connector
+        (vLLM's ``scheduler.py:896-945``). False: no room."""
+        manager = self.kv_cache_manager
+        # An async load holds its blocks with no progress until it lands: admit
+        # it only if the in-flight prefills can still finish after it.
+        reserved_blocks = self._inflight_prefill_reserved_blocks() \
+            if hit.load_kv_async else 0
+        new_blocks = manager.allocate_slots(
+            request, num_new_tokens,
+            num_new_computed_tokens=hit.num_new_local_computed_tokens,
+            new_computed_blocks=hit.new_computed_blocks,
+            num_external_computed_tokens=hit.num_external_computed_tokens,
+            delay_cache_blocks=hit.load_kv_async,
+            full_sequence_must_fit=self.scheduler_reserve_full_isl,
+            reserved_blocks=reserved_blocks,
+            has_scheduled_reqs=bool(self.running))
+        if new_blocks is None:
+            return False
+
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(
+                request, manager.get_blocks(request.request_id),
+                hit.num_external_computed_tokens)
+            if request.num_computed_tokens == 0:
+                self.connector_prefix_cache_stats.record(
+                    num_tokens=request.num_tokens - hit.num_new_local_computed_tokens,
+                    num_hits=hit.num_external_computed_tokens,
+                    preempted=request.num_preemptions > 0)
+        return True
+
+    def _park_async_load(self, request: EngineRequest, hit: _ComputedTokens,
+                         step: _StepState) -> None:
+        """Blocks allocated, uncached; the request waits for its KV in
+        ``skipped_waiting`` (vLLM's ``scheduler.py:947-967``)."""
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = hit.num_computed_tokens
+        self._async_local_hits[request.request_id] = hit.num_new_local_computed_tokens
+        self._count_prompt_tokens_cached(request, hit.num_new_local_computed_tokens)
+        step.prefix_hit_tokens[request.request_id] = hit.num_new_local_computed_tokens
+        self._inflight_prefills.add(request)
+        step.skipped.append(request)
+
+    def _admit_waiting(self, request: EngineRequest, hit: _ComputedTokens,
+                       num_new_tokens: int, pad_spec_decode: bool, step: _StepState) -> None:
+        """A waiting request becomes RUNNING (vLLM's ``scheduler.py:969-996``)."""
+        self.running.append(request)
+        if request.status == RequestStatus.WAITING:
+            step.scheduled_new.append(request)
+        elif request.status == RequestStatus.PREEMPTED:
+            step.scheduled_resumed.append(request)
+        else:
+            raise RuntimeError(f"invalid status {request.status.name} in the "
+                               f"waiting queue for {request.request_id!r}")
+        step.req_to_new_blocks[request.request_id] = \
+            self.kv_cache_manager.get_blocks(request.request_id)
+        step.num_scheduled_tokens[request.request_id] = num_new_tokens
+        step.token_budget -= num_new_tokens
+        request.status = RequestStatus.RUNNING
+        num_computed_tokens = hit.num_computed_tokens
+        if request.request_id in self._async_local_hits:
+            # Its load landed: what it skips beyond the local hit came from outside.
+            local = self._async_local_hits.pop(request.request_id)
+            self._count_prompt_tokens_external(request, local, num_computed_tokens)
+        else:
+            local = hit.num_new_local_computed_tokens
+            step.prefix_hit_tokens[request.request_id] = local
+            self._count_prompt_tokens_cached(request, local)
+            self._count_prompt_tokens_external(request, local, num_computed_tokens)
+        request.num_computed_tokens = num_computed_tokens
+        if pad_spec_decode:
+            step.scheduled_spec_decode_tokens[request.request_id] = \
+                [-1] * self.num_spec_tokens
+            self.stats.num_padded_admissions += 1
+        if not request.output_token_ids:
+            request.num_cached_tokens = num_computed_tokens
+        if num_computed_tokens + num_new_tokens < request.num_tokens:
+            self._inflight_prefills.add(request)
+
+    # -- 3. the output -----------------------------------------------------------
+
+    def _make_scheduler_output(self, step: _StepState) -> SchedulerOutput:
+        """Check the step's limits and build its ``SchedulerOutput`` (vLLM's
+        ``scheduler.py:1022-1109``)."""
+        manager = self.kv_cache_manager
+        total = sum(step.num_scheduled_tokens.values())
+        assert total <= self.max_num_scheduled_tokens and step.token_budget >= 0
         assert len(self.running) <= self.max_num_running_reqs
 
         num_common_prefix_blocks = [0] * manager.num_kv_cache_groups
@@ -648,32 +796,22 @@ class Scheduler:
 
         new_reqs_data = [
             NewRequestData(req.request_id, list(req.prompt_token_ids), req.sampling_params,
-                           req_to_new_blocks[req.request_id].get_block_ids(),
+                           step.req_to_new_blocks[req.request_id].get_block_ids(),
                            req.num_computed_tokens)
-            for req in scheduled_new]
+            for req in step.scheduled_new]
         cached_reqs_data = self._make_cached_request_data(
-            scheduled_running, scheduled_resumed, req_to_new_blocks)
-        self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
+            step.scheduled_running, step.scheduled_resumed, step.req_to_new_blocks)
+        self.prev_step_scheduled_req_ids = set(step.num_scheduled_tokens)
 
-        output = SchedulerOutput(
+        return SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached_reqs_data,
-            num_scheduled_tokens=num_scheduled_tokens,
+            num_scheduled_tokens=step.num_scheduled_tokens,
             total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            scheduled_spec_decode_tokens=step.scheduled_spec_decode_tokens,
             num_common_prefix_blocks=num_common_prefix_blocks,
-            preempted_req_ids={req.request_id for req in preempted},
+            preempted_req_ids={req.request_id for req in step.preempted},
             finished_req_ids=self.finished_req_ids)
-        if self.connector is not None:
-            # Plans this step's loads and saves; resets the connector's per-step state.
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
-        self._record_step(output, scheduled_new, scheduled_resumed, preempted,
-                          prefix_hit_tokens)
-        # The fence counts only steps that write KV (whose output comes back).
-        if self.defer_block_free and total > 0:
-            self.sched_step_seq += 1
-        self._update_after_schedule(output)
-        return output
 
     def _preempt_request(self, request: EngineRequest) -> None:
         """Recompute-preemption: drop the KV, start over from the waiting queue's front.
@@ -763,16 +901,7 @@ class Scheduler:
                 continue                          # a cut prefill samples nothing
             draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if draft:
-                # All but the last sampled token are accepted drafts; the slots of
-                # the rejected ones count as not computed (they get overwritten).
-                num_accepted = len(new_token_ids) - 1
-                num_rejected = len(draft) - num_accepted
-                if request.num_computed_tokens > 0:       # 0: preempted meanwhile
-                    request.num_computed_tokens -= num_rejected
-                if request.num_output_placeholders > 0:
-                    request.num_output_placeholders -= num_rejected
-                self.stats.num_draft_tokens += len(draft)
-                self.stats.num_accepted_tokens += num_accepted
+                self._roll_back_rejected_drafts(request, draft, new_token_ids)
             status_before = request.status
             new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
             if record is not None:
@@ -803,15 +932,32 @@ class Scheduler:
             # The connector's own counters for this step (vLLM adds them to the
             # step's SchedulerStats).
             self.kv_connector_stats = self.connector.get_kv_connector_stats()
-        # The manager's KV cache events and the connector's go out together, once
-        # per step (vLLM publishes them as one KVEventBatch; with events off its
-        # publisher drops them, the connector's included).
+        self._publish_kv_events()
+        return finished
+
+    def _roll_back_rejected_drafts(self, request: EngineRequest, draft: list[int],
+                                   new_token_ids: list[int]) -> None:
+        """All but the last sampled token are accepted drafts; the slots of the
+        rejected ones count as not computed (they get overwritten). vLLM's
+        ``scheduler.py:1583-1610``."""
+        num_accepted = len(new_token_ids) - 1
+        num_rejected = len(draft) - num_accepted
+        if request.num_computed_tokens > 0:       # 0: preempted meanwhile
+            request.num_computed_tokens -= num_rejected
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_rejected
+        self.stats.num_draft_tokens += len(draft)
+        self.stats.num_accepted_tokens += num_accepted
+
+    def _publish_kv_events(self) -> None:
+        """The manager's KV cache events and the connector's go out together, once
+        per step (vLLM publishes them as one KVEventBatch, ``scheduler.py:1802-1816``;
+        with events off its publisher drops them, the connector's included)."""
         events = list(self.kv_cache_manager.take_events())
         if self.connector is not None:
             events.extend(self.connector.take_events())
         if events and self.kv_cache_manager.block_pool.enable_kv_cache_events:
             self.kv_event_batches.append(events)
-        return finished
 
     def take_events(self) -> list:
         """The KV cache events published since the last call, oldest first: the
