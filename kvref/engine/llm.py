@@ -37,7 +37,8 @@ max_model_len``; ``max_num_seqs`` at most ``max_num_batched_tokens``.
 ``async_scheduling`` left as None is vLLM's rule: on for CUDA unless
 speculative decoding with n-gram drafts is asked for (vLLM allows async
 scheduling with ``ngram_gpu``, not ``ngram``), off on CPU (vLLM's CPU
-platform turns it off; kvref runs it on CPU when asked to).
+platform turns it off; kvref runs it on CPU when asked to). Asked for
+explicitly together with n-gram drafts, it is refused, as vLLM refuses it.
 """
 
 from __future__ import annotations
@@ -211,6 +212,8 @@ class LLM:
             enable_chunked_prefill)
         if async_scheduling is None:
             async_scheduling = self.device.type == "cuda" and not speculative_config
+        elif async_scheduling and speculative_config:
+            self._refuse_async_speculation(speculative_config)
         self.async_scheduling = async_scheduling
         if not enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens "
@@ -283,6 +286,20 @@ class LLM:
                 "LLM(..., tokenizer=FOLDER_OR_TOKENIZER) or a checkpoint folder with "
                 "tokenizer files")
         return list(self.tokenizer(prompt)["input_ids"]), prompt
+
+    def _refuse_async_speculation(self, speculative_config: dict) -> None:
+        """vLLM 0.25.1's ``VllmConfig`` refuses ``async_scheduling=True`` with
+        drafts other than EAGLE/MTP, a draft model, ``ngram_gpu`` or DSpark
+        (``vllm/config/vllm.py:961-981``); kvref's drafts are the CPU n-gram
+        proposer's (``method: "ngram"``), so it refuses the pairing too. (The
+        runner's ``-1`` placeholder path that vLLM's GPU drafters use is tested
+        below this check, ``tests/engine/test_async_scheduling.py``.)"""
+        method = speculative_config.get("method", "ngram")
+        raise ValueError(
+            f"async_scheduling=True with speculative method {method!r}: vLLM 0.25.1 "
+            "schedules asynchronously only with EAGLE/MTP, draft-model, ngram_gpu or "
+            "DSpark drafts (vllm/config/vllm.py:961-981); kvref's drafts are the CPU "
+            "n-gram proposer's: leave async_scheduling unset or False")
 
     def _make_drafter(self, speculative_config: dict | None) -> NgramProposer | None:
         if not speculative_config:

@@ -22,6 +22,7 @@ from kvref.engine.llm import LLM, default_batch_limits
 from kvref.verify.invariants import check_kv_cache_manager
 
 from .hf_models import DEVICES, assert_matches_transformers, llama
+from . import test_llm
 from .test_llm import StepWatcher, make_llm, shared_prefix_prompts
 
 VOCAB = 50
@@ -239,13 +240,41 @@ def test_llm_defaults_are_vllms_cpu_ones():
     assert llm.max_num_batched_tokens == 2 * 64
 
 
+NGRAM_2 = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+           "prompt_lookup_max": 2}
+
+
+def test_llm_refuses_async_scheduling_with_ngram_drafts_as_vllm_does():
+    """vLLM 0.25.1's config refuses the pairing (``vllm/config/vllm.py:961-981``);
+    left unset, async scheduling is off with n-gram drafts."""
+    model = llama(layers=1, heads=2, kv_heads=1, hidden_size=32, vocab_size=40)
+    with pytest.raises(ValueError, match="async_scheduling=True with speculative method "
+                                         "'ngram': vLLM 0.25.1"):
+        LLM(model, block_size=4, num_gpu_blocks=32, max_model_len=64,
+            async_scheduling=True, speculative_config=NGRAM_2)
+    llm = LLM(model, block_size=4, num_gpu_blocks=32, max_model_len=64,
+              speculative_config=NGRAM_2)
+    assert not llm.async_scheduling and type(llm.engine_core) is EngineCore
+
+
+class DraftsUnderAsyncLLM(LLM):
+    """An ``LLM`` without the config check above: the runner fills the async
+    scheduler's ``-1`` draft placeholders as vLLM's GPU drafters do (EAGLE,
+    ``ngram_gpu``), here with the CPU n-gram proposer's drafts. Only the tensors
+    of that path are under test; vLLM would not be configured this way."""
+
+    def _refuse_async_speculation(self, speculative_config: dict) -> None:
+        return None
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("speculative", [False, True])
-def test_llm_async_scheduling_matches_transformers_and_the_sync_engine(device, speculative):
+def test_llm_async_scheduling_matches_transformers_and_the_sync_engine(device, speculative,
+                                                                      monkeypatch):
     model = llama(layers=2, heads=4, kv_heads=2, hidden_size=32, vocab_size=96)
     prompts = shared_prefix_prompts(model.config.vocab_size)
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 2} if speculative else None
+    spec = NGRAM_2 if speculative else None
+    monkeypatch.setattr(test_llm, "LLM", DraftsUnderAsyncLLM)     # make_llm builds this one
     results = {}
     for async_scheduling in (False, True):
         llm, watcher = make_llm(model, device, num_gpu_blocks=30,
