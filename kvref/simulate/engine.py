@@ -19,6 +19,9 @@ what is added here is the clock, the runner and the bookkeeping:
   jumps to the next arrival.
 * The ``MissLedger`` (``attribution.py``, ``specs/simulate.md``): each prompt
   token computed, with its cause.
+* A host tier (``kv_offloading_size``, vLLM's ``--kv-offloading-size`` in
+  GiB): kvref's ``SimpleCPUOffloadConnector``, its scheduler half in the
+  scheduler and its worker half (``HostTierWorker``, no tensors) in the runner.
 
     >>> from kvref.simulate import TraceRequest, pool_from_tokens, simulate
     >>> shared = list(range(1000, 1040))                     # 40 tokens, 2.5 blocks of 16
@@ -28,6 +31,20 @@ what is added here is the clock, the runner and the bookkeeping:
     >>> result.prompt_tokens, result.prompt_tokens_cached_once    # 2 x 32 tokens hit
     (150, 64)
     >>> result.misses_by_cause["shared_prefix_ends_inside_block"]   # 2 x 8 shared, not cached
+    16
+
+A pool of 6 usable blocks, requests of 5 (50 + 30 tokens): ``b`` evicts the
+second of the two blocks ``a0`` and ``a1`` share; a host tier serves it:
+
+    >>> two = shared[:32]
+    >>> reqs = [TraceRequest("a0", 50, 30, 0.0, tokens=two + list(range(2000, 2018))),
+    ...         TraceRequest("b", 50, 30, 0.0, tokens=list(range(3000, 3050))),
+    ...         TraceRequest("a1", 50, 30, 0.0, tokens=two + list(range(4000, 4018)))]
+    >>> alone = simulate(reqs, pool_from_tokens(7))
+    >>> tiered = simulate(reqs, pool_from_tokens(7), kv_offloading_size=0.001)
+    >>> alone.misses_by_cause["evicted_before_reuse"], tiered.prompt_tokens_from_host
+    (16, 16)
+    >>> alone.prompt_tokens_computed - tiered.prompt_tokens_computed
     16
 """
 

@@ -90,6 +90,16 @@ def test_slower_copies_serve_the_same_tokens_after_longer_waits():
     assert slow.num_steps > fast.num_steps
 
 
+def test_stores_in_flight_at_the_end_land_before_the_run_ends():
+    """One request of 40 + 10 tokens; its copies take 20 steps, longer than the
+    request: the run steps on until they land, so nothing is held at the end."""
+    pool = pool_from_tokens(12)
+    r = simulate([TraceRequest("a", 40, 10, 0.0, tokens=list(range(100, 140)))], pool,
+                 kv_offloading_size=1e-3, kv_offload_copy_steps=20)
+    assert r.host_blocks_stored == 3                 # 40 + 9 confirmed tokens: 3 blocks
+    check_sums_and_invariants(r, pool)
+
+
 def test_preempted_requests_resume_from_the_host_and_the_sums_hold():
     """Twelve requests in a pool of 16 blocks: preemptions. A resumed request's
     own blocks, evicted from the device, come back from the host; tokens loaded
