@@ -146,7 +146,8 @@ def host_tier_config(kv_offloading_size: float) -> KVTransferConfig:
     when ``VLLM_USE_SIMPLE_KV_OFFLOAD`` is set, ``:807-810``)."""
     import math
 
-    if not (isinstance(kv_offloading_size, (int, float)) and math.isfinite(kv_offloading_size)
+    if isinstance(kv_offloading_size, bool) or not (
+            isinstance(kv_offloading_size, (int, float)) and math.isfinite(kv_offloading_size)
             and kv_offloading_size > 0):
         raise ValueError(f"kv_offloading_size is the host tier's size in GiB and must be a "
                          f"positive number, got {kv_offloading_size!r}")
@@ -414,6 +415,10 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
             raise ValueError("the host tier (kv_offloading_size) needs prefix caching: "
                              "vLLM's tier turns itself off without it "
                              "(simple_cpu_offload_connector.py:82-87)")
+        if pool.kv_cache_config.has_mamba_layers:
+            raise ValueError("a host tier (kv_offloading_size) with a Mamba hybrid is not "
+                             "simulated yet: the scheduler's Mamba local hit bypasses the "
+                             "lookup the miss attribution records")
         if isinstance(kv_offload_copy_steps, bool) or not isinstance(kv_offload_copy_steps,
                                                                      int) \
                 or kv_offload_copy_steps < 1:

@@ -151,6 +151,14 @@ def test_bad_copy_steps_and_no_prefix_caching_are_refused():
                  enable_prefix_caching=False)
 
 
+def test_a_mamba_hybrid_with_a_host_tier_is_refused():
+    from kvref.simulate import NAMED_SHAPES
+
+    pool = pool_from_tokens(400, shape=NAMED_SHAPES["nemotron-h-8b-like"])
+    with pytest.raises(ValueError, match="Mamba hybrid is not simulated yet"):
+        simulate(revisits(1), pool, kv_offloading_size=1)
+
+
 def run(capsys, *args):
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
