@@ -16,6 +16,9 @@ No vLLM counterpart (vLLM counts hits, not the reasons for misses). Two parts:
 
       | hit | cap | window/Mamba | evicted | inside a block | first occurrence |
       0     h     A              F         S                T                  P
+
+  With a host tier, the tokens it loads after the device's hit, ``[h, h + e)``,
+  are not computed and have no cause; the cuts start at ``h + e`` (rule S5).
 """
 
 from __future__ import annotations
@@ -124,13 +127,18 @@ class MissLedger:
         self.segments: dict[str, list[tuple[int, int, str]]] = {}
         self.computed: dict[str, list[list[int]]] = {}       # merged intervals per request
         self.hit_once: dict[str, int] = {}
+        self.host_once: dict[str, int] = {}
         self.by_cause: Counter = Counter()
 
     def admit(self, request_id: str, num_prompt_tokens: int, cuts: tuple[int, ...],
-              caching: bool) -> None:
-        """First admission: ``cuts = (h, A, F, S, T)`` (rule S2)."""
+              caching: bool, from_host: int = 0) -> None:
+        """First admission: ``cuts = (h, A, F, S, T)`` (rule S2); ``from_host``
+        tokens after ``h`` were loaded from a host tier, not computed (rule S5)."""
         P = num_prompt_tokens
         h, a, f, s, t = (min(x, P) for x in cuts)
+        self.hit_once[request_id] = h
+        self.host_once[request_id] = min(h + from_host, P) - h
+        h = min(h + from_host, P)            # the causes start after the load
         a = max(a, h)
         f = max(f, a)
         s = max(s, f)
@@ -144,7 +152,6 @@ class MissLedger:
         self.segments[request_id] = [(bounds[i], bounds[i + 1], names[i]) for i in range(5)
                                      if bounds[i] < bounds[i + 1]]
         self.computed[request_id] = []
-        self.hit_once[request_id] = h
 
     def computed_tokens(self, request_id: str, start: int, end: int) -> None:
         """The engine computed prompt positions ``[start, end)`` of the request."""

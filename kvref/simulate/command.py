@@ -9,6 +9,9 @@ The pool: ``--kv-cache-tokens N`` (or ``inf``: never evict), or a model shape
 ``--gpu-memory-gib`` at ``--gpu-memory-utilization``, split over
 ``--tensor-parallel-size`` GPUs (default: ``llama-3-8b-like`` on 80 GiB).
 Scheduler flags are vLLM's, with ``vllm serve``'s defaults on such a GPU.
+``--kv-offloading-size GIB`` puts the CPU offload tier behind the pool, as
+vLLM's flag of that name does (``vllm/engine/arg_utils.py:1197``,
+``vllm/config/vllm.py:796-824``).
 """
 
 from __future__ import annotations
@@ -81,6 +84,13 @@ def add_simulate_parser(sub, usage_error: type[Exception] = ValueError
     g.add_argument("--mamba-cache-mode", choices=["all", "align", "none"],
                    help="Mamba hybrids: vLLM's choice by default (all, or align for models "
                    "without Mamba prefix caching)")
+    g = p.add_argument_group("host tier (vLLM's flag)")
+    g.add_argument("--kv-offloading-size", type=float, metavar="GIB",
+                   help="a CPU offload tier of GIB GiB behind the device pool "
+                        "(SimpleCPUOffloadConnector, timed as vLLM's; prefix caching on)")
+    g.add_argument("--kv-offload-copy-steps", type=int, default=1, metavar="N",
+                   help="kvref's: a host copy is found done N steps after its launch "
+                        "(default 1: the next step, as kvref's worker)")
     g = p.add_argument_group("scheduler (vLLM's flags)")
     g.add_argument("--block-size", type=int, default=16, metavar="N")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N")
@@ -183,6 +193,11 @@ def _check_args(args) -> None:
         raise ValueError("--long-prefill-token-threshold and --skip must be >= 0")
     if args.step_base_ms < 0 or args.step_ms_per_token < 0:
         raise ValueError("--step-base-ms and --step-ms-per-token must be >= 0")
+    if args.kv_offloading_size is not None and (args.sweep or args.workload or args.record):
+        raise ValueError("--kv-offloading-size runs one trace: --sweep, --workload and "
+                         "--record do not take it")
+    if args.kv_offloading_size is None and args.kv_offload_copy_steps != 1:
+        raise ValueError("--kv-offload-copy-steps needs --kv-offloading-size")
     if args.record is not None and not args.record.endswith((".json", ".json.gz")):
         raise ValueError(f"--record writes a kvtrace/1 trace: the file must end in .json "
                          f"or .json.gz, got {args.record!r}")
@@ -212,6 +227,9 @@ def cmd_simulate(args, console, usage_error: type[Exception] = ValueError) -> in
                        arrivals=args.arrivals,
                        step_time=StepTime(args.step_base_ms, args.step_ms_per_token),
                        max_output_tokens=args.max_output_tokens)
+        if args.kv_offloading_size is not None:
+            options.update(kv_offloading_size=args.kv_offloading_size,
+                           kv_offload_copy_steps=args.kv_offload_copy_steps)
         result = _run_with_progress(requests, pool, options)
         if args.record is not None:
             from kvref.simulate.record import record_steps

@@ -19,6 +19,9 @@ what is added here is the clock, the runner and the bookkeeping:
   jumps to the next arrival.
 * The ``MissLedger`` (``attribution.py``, ``specs/simulate.md``): each prompt
   token computed, with its cause.
+* A host tier (``kv_offloading_size``, vLLM's ``--kv-offloading-size`` in
+  GiB): kvref's ``SimpleCPUOffloadConnector``, its scheduler half in the
+  scheduler and its worker half (``HostTierWorker``, no tensors) in the runner.
 
     >>> from kvref.simulate import TraceRequest, pool_from_tokens, simulate
     >>> shared = list(range(1000, 1040))                     # 40 tokens, 2.5 blocks of 16
@@ -28,6 +31,20 @@ what is added here is the clock, the runner and the bookkeeping:
     >>> result.prompt_tokens, result.prompt_tokens_cached_once    # 2 x 32 tokens hit
     (150, 64)
     >>> result.misses_by_cause["shared_prefix_ends_inside_block"]   # 2 x 8 shared, not cached
+    16
+
+A pool of 6 usable blocks, requests of 5 (50 + 30 tokens): ``b`` evicts the
+second of the two blocks ``a0`` and ``a1`` share; a host tier serves it:
+
+    >>> two = shared[:32]
+    >>> reqs = [TraceRequest("a0", 50, 30, 0.0, tokens=two + list(range(2000, 2018))),
+    ...         TraceRequest("b", 50, 30, 0.0, tokens=list(range(3000, 3050))),
+    ...         TraceRequest("a1", 50, 30, 0.0, tokens=two + list(range(4000, 4018)))]
+    >>> alone = simulate(reqs, pool_from_tokens(7))
+    >>> tiered = simulate(reqs, pool_from_tokens(7), kv_offloading_size=0.001)
+    >>> alone.misses_by_cause["evicted_before_reuse"], tiered.prompt_tokens_from_host
+    (16, 16)
+    >>> alone.prompt_tokens_computed - tiered.prompt_tokens_computed
     16
 """
 
@@ -40,6 +57,11 @@ from dataclasses import dataclass, field
 
 from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.core.single_type_kv_cache_manager import FullAttentionManager
+from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
+from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorRole,
+                                                                execute_with_connector)
+from kvref.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+    SimpleCPUOffloadConnector)
 from kvref.engine.core import EngineCore
 from kvref.engine.outputs import ModelRunnerOutput
 from kvref.engine.request import EngineRequest
@@ -52,8 +74,8 @@ from kvref.simulate.attribution import CAUSES, MissLedger, PrefixHistory
 from kvref.simulate.sizing import PoolSize
 from kvref.simulate.traces import TraceRequest
 
-__all__ = ["OUTPUT_TOKEN_BASE", "SimulationResult", "SimulationRunner", "StepTime",
-           "simulate"]
+__all__ = ["OUTPUT_TOKEN_BASE", "HostTierWorker", "SimulationResult", "SimulationRunner",
+           "StepTime", "host_tier_config", "simulate"]
 
 # Generated tokens: above every prompt token a Mooncake trace makes (ids < 2**27).
 OUTPUT_TOKEN_BASE = 1 << 30
@@ -73,14 +95,21 @@ class StepTime:
 class SimulationRunner:
     """The model's place in the loop: a sampled token per request that reached its
     end, and the simulation's observation of each step (the scheduler's requests
-    are still all alive between ``schedule`` and ``update_from_output``)."""
+    are still all alive between ``schedule`` and ``update_from_output``).
+    ``kv_connector``: a connector's WORKER half, driven around each step as the
+    runners drive one (``execute_with_connector``)."""
 
     def __init__(self, requests: dict[str, EngineRequest],
-                 on_step: Callable[[SchedulerOutput], None] | None = None) -> None:
+                 on_step: Callable[[SchedulerOutput], None] | None = None,
+                 kv_connector=None) -> None:
         self.requests = requests
         self.on_step = on_step
+        self.kv_connector = kv_connector
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return execute_with_connector(self.kv_connector, scheduler_output, self._execute)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.on_step is not None:
             self.on_step(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -98,6 +127,35 @@ class SimulationRunner:
         return {}
 
 
+class HostTierWorker(SimpleCPUOffloadConnector):
+    """The CPU offload tier's own WORKER half with no tensors: it is registered no
+    KV caches, so a copy moves nothing, and a copy launched at one step's poll is
+    found done ``copy_steps`` polls (engine steps) later (kvref's worker: 1, the
+    next poll). The plans, the host pool and every hold are the tier's own."""
+
+    copy_steps = 1
+
+    def _copy_latency(self, kind: str, event: int) -> int:
+        return self.copy_steps
+
+
+def host_tier_config(kv_offloading_size: float) -> KVTransferConfig:
+    """vLLM's ``--kv-offloading-size GIB`` with the native backend: the CPU tier,
+    ``cpu_bytes_to_use = GIB * 2**30``, role ``kv_both``
+    (``vllm/config/vllm.py:796-824``; vLLM picks ``SimpleCPUOffloadConnector``
+    when ``VLLM_USE_SIMPLE_KV_OFFLOAD`` is set, ``:807-810``)."""
+    import math
+
+    if isinstance(kv_offloading_size, bool) or not (
+            isinstance(kv_offloading_size, (int, float)) and math.isfinite(kv_offloading_size)
+            and kv_offloading_size > 0):
+        raise ValueError(f"kv_offloading_size is the host tier's size in GiB and must be a "
+                         f"positive number, got {kv_offloading_size!r}")
+    return KVTransferConfig(
+        kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": int(kv_offloading_size * (1 << 30))})
+
+
 @dataclass
 class SimulationResult:
     """What a run did; ``to_json()`` is ``kvref simulate --json``."""
@@ -112,6 +170,17 @@ class SimulationResult:
     preempted_prefix_cache_queries: int = 0
     preempted_prefix_cache_hits: int = 0
     misses_by_cause: dict[str, int] = field(default_factory=dict)
+    # The host tier (--kv-offloading-size); all 0 without one.
+    prompt_tokens_from_host: int = 0      # loaded from the host, over all admissions
+    prompt_tokens_from_host_once: int = 0  # each request's first-admission load
+    kv_offloading_size: float = 0.0       # GiB
+    num_cpu_blocks: int = 0
+    host_blocks_stored: int = 0
+    host_blocks_loaded: int = 0
+    # Free blocks when the run ended (all but the null block, once everything finished).
+    free_gpu_blocks_at_end: int = 0
+    free_cpu_blocks_at_end: int = 0
+    tier_holds_at_end: int = 0            # device blocks a host copy or load still holds
     num_preemptions: int = 0
     num_steps: int = 0
     output_tokens: int = 0
@@ -154,6 +223,12 @@ class SimulationResult:
             "preempted_prefix_cache_queries": self.preempted_prefix_cache_queries,
             "preempted_prefix_cache_hits": self.preempted_prefix_cache_hits,
             "misses_by_cause": dict(self.misses_by_cause),
+            "prompt_tokens_from_host": self.prompt_tokens_from_host,
+            "prompt_tokens_from_host_once": self.prompt_tokens_from_host_once,
+            "kv_offloading_size": self.kv_offloading_size,
+            "num_cpu_blocks": self.num_cpu_blocks,
+            "host_blocks_stored": self.host_blocks_stored,
+            "host_blocks_loaded": self.host_blocks_loaded,
             "num_preemptions": self.num_preemptions, "num_steps": self.num_steps,
             "output_tokens": self.output_tokens,
             "simulated_seconds": round(self.simulated_seconds, 3),
@@ -238,10 +313,13 @@ class _Observer:
             rid = new.req_id
             request = requests[rid]
             cuts = self.cuts.pop(rid)
-            assert cuts[0] == new.num_computed_tokens, (rid, cuts, new.num_computed_tokens)
+            # Beyond the device's hit: what the host tier loaded (rule S5).
+            from_host = new.num_computed_tokens - cuts[0]
+            assert from_host >= 0 and (from_host == 0 or self.scheduler.connector is not None), \
+                (rid, cuts, new.num_computed_tokens)
             seen_blocks, seen_tokens = self.history.seen_prefix(request, request.num_tokens)
             self.ledger.admit(rid, request.num_prompt_tokens, (*cuts, seen_blocks, seen_tokens),
-                              self.manager.enable_caching)
+                              self.manager.enable_caching, from_host)
             self.admitted_at[rid] = step
             self.blocks_added[rid] = 0
         for rid, n in output.num_scheduled_tokens.items():
@@ -295,7 +373,8 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
              step_time: StepTime = StepTime(), max_output_tokens: int | None = None,
              on_progress: Callable[[int, int], None] | None = None,
              max_timeline: int = 2000, max_steps: int | None = None,
-             manager_factory: Callable[..., KVCacheManager] | None = None
+             manager_factory: Callable[..., KVCacheManager] | None = None,
+             kv_offloading_size: float | None = None, kv_offload_copy_steps: int = 1
              ) -> SimulationResult:
     """Run ``requests`` through vLLM 0.25.1's scheduler and KV cache (kvref's) on ``pool``.
 
@@ -306,6 +385,13 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
     rejects it, and counted in ``num_rejected``. ``max_steps`` stops early;
     ``manager_factory(kv_cache_config, **manager_arguments)`` builds the manager
     (``record.py`` passes a recording one).
+
+    ``kv_offloading_size``: a host tier of that many GiB behind the device pool,
+    as vLLM's ``--kv-offloading-size`` builds it (``host_tier_config``): the
+    scheduler gets the tier's SCHEDULER half through its ``kv_transfer_config``,
+    as the engine's does, and the runner a ``HostTierWorker`` whose copies are
+    found done ``kv_offload_copy_steps`` steps after their launch. After the last
+    request the engine steps on until the stores in flight are done.
     """
     if arrivals not in ("order", "timestamps"):
         raise ValueError(f"arrivals must be 'order' or 'timestamps', got {arrivals!r}")
@@ -322,6 +408,23 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
             raise ValueError("a trace with follow-up turns needs max_model_len")
         max_model_len = max(r.input_length + out_len(r) for r in requests)
     _check_pool(pool, max_model_len)
+    transfer = None
+    if kv_offloading_size is not None:
+        transfer = host_tier_config(kv_offloading_size)
+        if not enable_prefix_caching:
+            raise ValueError("the host tier (kv_offloading_size) needs prefix caching: "
+                             "vLLM's tier turns itself off without it "
+                             "(simple_cpu_offload_connector.py:82-87)")
+        if pool.kv_cache_config.has_mamba_layers:
+            raise ValueError("a host tier (kv_offloading_size) with a Mamba hybrid is not "
+                             "simulated yet: the scheduler's Mamba local hit bypasses the "
+                             "lookup the miss attribution records")
+        if isinstance(kv_offload_copy_steps, bool) or not isinstance(kv_offload_copy_steps,
+                                                                     int) \
+                or kv_offload_copy_steps < 1:
+            raise ValueError(f"kv_offload_copy_steps must be an integer >= 1 (a copy is "
+                             f"found done no earlier than the next step), got "
+                             f"{kv_offload_copy_steps!r}")
 
     started = time.perf_counter()
     scheduler_block_size, hash_block_size = _block_sizes(pool, enable_prefix_caching)
@@ -333,7 +436,13 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
     scheduler = Scheduler(manager, max_num_batched_tokens=max_num_batched_tokens,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           long_prefill_token_threshold=long_prefill_token_threshold,
-                          scheduler_reserve_full_isl=scheduler_reserve_full_isl)
+                          scheduler_reserve_full_isl=scheduler_reserve_full_isl,
+                          kv_transfer_config=transfer)
+    worker = None
+    if transfer is not None:
+        worker = HostTierWorker(transfer, KVConnectorRole.WORKER, pool.kv_cache_config)
+        worker.copy_steps = kv_offload_copy_steps
+        worker.register_kv_caches({})                 # no tensors: nothing is copied
     # The cascade-attention hint (leading blocks every running request shares) goes
     # to the runner only and changes no KV decision; vLLM computes it each step
     # (vllm/v1/core/sched/scheduler.py:1035-1043) by walking the first running
@@ -341,7 +450,8 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
     zeros = [0] * manager.num_kv_cache_groups
     manager.get_num_common_prefix_blocks = lambda request_id: list(zeros)
     observer = _Observer(manager, scheduler)
-    core = EngineCore(scheduler, SimulationRunner(scheduler.requests, observer.on_step))
+    core = EngineCore(scheduler, SimulationRunner(scheduler.requests, observer.on_step,
+                                                  kv_connector=worker))
 
     result = SimulationResult(num_gpu_blocks=pool.num_blocks, block_size=pool.block_size,
                               kv_cache_tokens=pool.tokens, pool=pool.how, arrivals=arrivals,
@@ -411,6 +521,8 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
             on_progress(done, total)
     if on_progress is not None:
         on_progress(done, total)
+    while worker is not None and scheduler.connector.has_pending_stores():
+        core.step()                           # empty steps until the stores land
 
     inner = observer.manager
     stats = inner.prefix_cache_stats
@@ -422,6 +534,16 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
     result.per_request_hits = dict(observer.ledger.hit_once)
     result.prompt_tokens_cached_once = sum(observer.ledger.hit_once.values())
     result.misses_by_cause = {c: observer.ledger.by_cause.get(c, 0) for c in CAUSES}
+    if worker is not None:
+        result.prompt_tokens_from_host = scheduler.stats.prompt_tokens_external
+        result.prompt_tokens_from_host_once = sum(observer.ledger.host_once.values())
+        result.kv_offloading_size = kv_offloading_size
+        result.num_cpu_blocks = scheduler.connector.num_cpu_blocks
+        result.host_blocks_stored = worker.stats.num_saved_blocks
+        result.host_blocks_loaded = worker.stats.num_loaded_blocks
+        result.free_cpu_blocks_at_end = scheduler.connector.cpu_block_pool.get_num_free_blocks()
+        result.tier_holds_at_end = sum(map(len, scheduler.connector.gpu_blocks_held()))
+    result.free_gpu_blocks_at_end = inner.block_pool.get_num_free_blocks()
     # Rule S1: the causes sum to the prompt tokens computed.
     assert sum(result.misses_by_cause.values()) == result.prompt_tokens_computed, \
         (result.misses_by_cause, result.prompt_tokens_computed)

@@ -67,6 +67,11 @@ def render_report(result: SimulationResult, trace: str = "trace") -> Group:
                  f"{r.preempted_prefix_cache_queries:,})")
     head.add_row("", f"served once from the cache: {r.hit_ratio_once:.1%} of prompt tokens "
                  f"({r.prompt_tokens_cached_once:,}); computed: {r.prompt_tokens_computed:,}")
+    if r.num_cpu_blocks:
+        head.add_row("host tier", f"{r.kv_offloading_size:g} GiB: {r.num_cpu_blocks:,} blocks; "
+                     f"prompt tokens loaded from it: {r.prompt_tokens_from_host:,} "
+                     f"({r.host_blocks_stored:,} blocks stored, "
+                     f"{r.host_blocks_loaded:,} loaded)")
 
     causes = Table(title="prompt tokens computed, by cause", title_justify="left")
     causes.add_column("cause")

@@ -190,15 +190,16 @@ def workload_trace(name: str, step_seconds: float = 0.01):
     """A kvref workload (``kvref.viz.workloads``, e.g. ``chat``, ``multi-turn``) as
     ``(requests, preset)``: an arrival at step ``k`` arrives at ``k * step_seconds``;
     a follow-up turn arrives when the turn before it finishes. Presets with a remote
-    prefill (``connector``) are refused: the simulation has no KV connector."""
+    prefill (``connector``) are refused: the simulation runs no remote-prefill
+    connector (its one connector is the host tier, ``kv_offloading_size``)."""
     from kvref.viz.workloads import PRESETS
 
     if name not in PRESETS:
         raise TraceError(f"unknown workload {name!r}; choose from: {', '.join(PRESETS)}")
     preset = PRESETS[name]()
     if preset.remote:
-        raise TraceError(f"workload {name!r} needs a KV connector, which kvref simulate "
-                         "does not run")
+        raise TraceError(f"workload {name!r} needs a remote-prefill KV connector, which "
+                         "kvref simulate does not run")
     requests = []
     for a in preset.arrivals:
         if a.after is not None:

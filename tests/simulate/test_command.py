@@ -145,6 +145,6 @@ def test_kvrefs_own_workloads_run_on_their_own_pools(capsys):
     doc = json.loads(out)
     assert doc["num_preemptions"] > 0 and doc["misses_by_cause"]["recompute_after_preemption"] > 0
     code, out, err = run(capsys, "simulate", "--workload", "connector")
-    assert code == 2 and "needs a KV connector" in err
+    assert code == 2 and "needs a remote-prefill KV connector" in err
     code, out, err = run(capsys, "simulate")
     assert code == 2 and "give a TRACE or --workload W" in err
