@@ -56,6 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvref.core.kv_cache_manager import KVCacheManager
+from kvref.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 from kvref.core.single_type_kv_cache_manager import FullAttentionManager
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorRole,
@@ -354,7 +355,12 @@ def _block_sizes(pool: PoolSize, enable_prefix_caching: bool) -> tuple[int, int]
     return resolve_kv_cache_block_sizes(pool.kv_cache_config, config)
 
 
-def _check_pool(pool: PoolSize, max_model_len: int) -> None:
+# Steps in a row that schedule no token before a run is called stalled (a load in
+# flight idles a step or two; nothing legitimate idles for this long).
+MAX_IDLE_STEPS = 1000
+
+
+def _check_pool(pool: PoolSize, max_model_len: int, max_num_batched_tokens: int) -> None:
     for group in pool.kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, FullAttentionSpec) and \
@@ -363,6 +369,19 @@ def _check_pool(pool: PoolSize, max_model_len: int) -> None:
                 f"the KV cache ({pool.num_blocks - 1} blocks of {spec.block_size} tokens) "
                 f"cannot hold one request of max_model_len {max_model_len}, so vLLM would "
                 f"refuse to start; give more KV cache or a smaller --max-model-len")
+    # Every group at once (a hybrid's window and Mamba groups take blocks of the same
+    # pool): vLLM's startup check asks the same peak per request of all groups
+    # (kvref.core.kv_cache_utils.max_memory_usage_bytes, the "maximum concurrency").
+    concurrency = get_max_concurrency_for_kv_cache_config(
+        pool.kv_cache_config, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens)
+    if concurrency < 1:
+        groups = len(pool.kv_cache_config.kv_cache_groups)
+        raise ValueError(
+            f"the KV cache ({pool.num_blocks} blocks shared by {groups} KV cache groups) "
+            f"holds {concurrency:.2f} of a request of max_model_len {max_model_len} across "
+            "its groups, so vLLM would refuse to start; give more KV cache or a smaller "
+            "--max-model-len")
 
 
 def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
@@ -407,7 +426,7 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
         if followups:
             raise ValueError("a trace with follow-up turns needs max_model_len")
         max_model_len = max(r.input_length + out_len(r) for r in requests)
-    _check_pool(pool, max_model_len)
+    _check_pool(pool, max_model_len, max_num_batched_tokens)
     transfer = None
     if kv_offloading_size is not None:
         transfer = host_tier_config(kv_offloading_size)
@@ -478,6 +497,7 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
         result.prompt_tokens += r.input_length
         result.num_requests += 1
 
+    idle_steps = 0
     while pending or scheduler.has_requests():
         if max_steps is not None and result.num_steps >= max_steps:
             break
@@ -508,6 +528,15 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
                                                 clock, tokens=tokens))
                 total += 1
         scheduler.step_records.clear()        # kept by the scheduler for tests; not needed
+        idle_steps = 0 if output.total_num_scheduled_tokens else idle_steps + 1
+        if idle_steps > MAX_IDLE_STEPS:
+            num_waiting = len(scheduler.waiting) + len(scheduler.skipped_waiting)
+            raise ValueError(
+                f"no token was scheduled for {MAX_IDLE_STEPS} steps in a row at step "
+                f"{result.num_steps}, with {num_waiting} request(s) waiting and "
+                f"{len(scheduler.running)} running: the scheduler "
+                "is stalled (vLLM's would idle the same way); the pool or the scheduler "
+                "limits cannot admit what is waiting")
         clock += step_time.seconds(output.total_num_scheduled_tokens)
         if result.num_steps % every == 0:
             result.timeline.append((clock, observer.manager.usage, len(scheduler.running),
