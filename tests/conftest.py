@@ -12,7 +12,23 @@ failure on a laptop too, and a seeded bug is either caught or not, never by luck
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, Phase, settings
+import importlib.util
+
+import pytest
+
+# The suite needs the ``test`` extra (pyproject.toml). Run from an interpreter without
+# it, every module would fail to import, each with its own traceback: say it once.
+_NEEDED = {"cbor2": "cbor2", "rich": "rich", "textual": "textual", "torch": "torch",
+           "transformers": "transformers", "hypothesis": "hypothesis",
+           "jupytext": "jupytext", "matplotlib": "matplotlib", "IPython": "ipython",
+           "selenium": "selenium", "zmq": "pyzmq", "msgspec": "msgspec", "ray": "ray"}
+_MISSING = sorted(pkg for mod, pkg in _NEEDED.items() if importlib.util.find_spec(mod) is None)
+if _MISSING:
+    pytest.exit(f"kvref's test dependencies are not installed in this Python "
+                f"({', '.join(_MISSING)} missing): run  python3 -m pip install -e '.[test]'  first (the README's test "
+                "command does both)", returncode=4)
+
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
