@@ -8,10 +8,13 @@ Three layers, as in vLLM (``kvref/core/`` mirrors ``vllm/v1/core/``)::
           BlockPool         blocks, free queue, index     core/block_pool.py
 
 Everything public is importable from here: ``from kvref import KVCacheManager``.
-The core is pure Python; the tensor side (``kvref.worker``, ``kvref.attention``,
-and the model half of ``kvref.engine``) needs torch and is never imported from
-here. ``kvref.engine``'s scheduling half (``Scheduler``, ``EngineCore``,
-``ModelFreeRunner``) imports without torch.
+The core is pure Python. Above it, in vLLM's folders (README's layout table):
+``kvref.sched`` (the scheduler), ``kvref.worker`` (block table, runners),
+``kvref.engine`` (the step loop), ``kvref.entrypoints`` (``LLM``). The
+scheduling side (``Scheduler``, ``EngineCore``, ``ModelFreeRunner``) imports
+without torch; the tensor side (``kvref.attention``, the block table, the
+model runner, ``kvref.model_executor``, ``LLM``) needs it, and nothing here
+imports it.
 """
 
 from kvref.hashing import sha256, sha256_cbor

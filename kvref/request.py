@@ -1,8 +1,12 @@
-"""The request as the KV layer sees it: tokens, status, and block hashes.
+"""The request: tokens, status and block hashes; then what generation adds.
 
-Mirrors ``vllm/v1/request.py``, keeping only the fields the KV cache layer reads.
-The block hasher given at construction turns every full block of tokens into a
-chained hash; ``block_hashes`` grows as output tokens are appended:
+Mirrors ``vllm/v1/request.py``, whose one ``Request`` class kvref splits in
+two. ``Request`` keeps only the fields the KV cache layer reads (the core
+imports nothing else from here); ``EngineRequest`` adds what the scheduler and
+the runners read: sampling parameters, output tokens, draft tokens, the
+connector's transfer parameters. The block hasher given at construction turns
+every full block of tokens into a chained hash; ``block_hashes`` grows as
+output tokens are appended:
 
     >>> from kvref import get_request_block_hasher, init_none_hash, sha256
     >>> init_none_hash(sha256)
@@ -13,6 +17,10 @@ chained hash; ``block_hashes`` grows as output tokens are appended:
     >>> req.append_output_token_ids(list(range(8)))
     >>> len(req.block_hashes)            # 48 tokens = 3 full blocks
     3
+    >>> engine_req = EngineRequest("r1", [1, 2, 3], SamplingParams(max_tokens=2))
+    >>> engine_req.append_output_token_ids(7)
+    >>> engine_req.output_token_ids, engine_req.num_tokens
+    ([7], 4)
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvref.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -171,3 +181,65 @@ class Request:
         return (f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "
                 f"num_computed_tokens={self.num_computed_tokens}, "
                 f"status={self.status.name})")
+
+
+class EngineRequest(Request):
+    """A request the scheduler runs to completion (``Request`` + generation state)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams | None = None, *,
+                 eos_token_id: int | None = None,
+                 block_hasher: Callable[[Request], list[bytes]] | None = None,
+                 prompt_embeds: Any = None) -> None:
+        self.sampling_params = sampling_params or SamplingParams()
+        super().__init__(request_id, prompt_token_ids, block_hasher=block_hasher,
+                         max_tokens=self.sampling_params.max_tokens,
+                         prompt_embeds=prompt_embeds)
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        # Prompt tokens the prefix cache served at the last admission before
+        # the first output token (vLLM's PrefillStats: a preemption before
+        # that token re-admits the request and overwrites it; after, not).
+        self.num_cached_tokens = -1
+        # Draft tokens proposed for the next step (n-gram speculative decoding).
+        self.spec_token_ids: list[int] = []
+        # Whether the last step stopped inside the known tokens (sampled nothing).
+        self.is_prefill_chunk = True
+        # Async scheduling: tokens of steps in flight (sampled and draft slots),
+        # already counted in num_computed_tokens, not yet in the token list.
+        self.num_output_placeholders = 0
+        # The last step that scheduled it (the deferred-free fence; vLLM's name).
+        self.last_sched_seq = 0
+        # The stop token that finished it (None: EOS, a length cap, or unfinished).
+        self.stop_reason: int | None = None
+        # KV connector: what the request asks of it (vLLM reads the same dict from
+        # sampling_params.extra_args["kv_transfer_params"]), and what it said back.
+        extra = self.sampling_params.extra_args or {}
+        self.kv_transfer_params: dict | None = (
+            dict(extra["kv_transfer_params"]) if extra.get("kv_transfer_params") else None)
+        self.kv_transfer_params_out: dict | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self.output_token_ids.extend(ids)
+        super().append_output_token_ids(ids)
+
+    def get_finished_reason(self) -> str | None:
+        """``"stop"``, ``"length"`` or ``"abort"`` (vLLM's names), None while unfinished."""
+        if self.status == RequestStatus.FINISHED_STOPPED:
+            return "stop"
+        if self.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            return "length"
+        if self.status == RequestStatus.FINISHED_ABORTED:
+            return "abort"
+        if self.status == RequestStatus.FINISHED_ERROR:
+            return "error"
+        return None

@@ -7,7 +7,11 @@ these tests keep that promise true as files move.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -72,17 +76,38 @@ def test_package_import_graph_has_no_cycles():
     assert import_cycles(graph) == []
 
 
-def test_core_never_imports_torch():
-    core = [p for name, p in _modules().items()
-            if not name.startswith(("kvref.worker", "kvref.attention", "kvref.engine",
-                                    "kvref.tutorials", "kvref.distributed"))]
-    for path in core:
-        tree = ast.parse(path.read_text())
-        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-                 for a in n.names}
-        names |= {n.module.split(".")[0] for n in ast.walk(tree)
-                  if isinstance(n, ast.ImportFrom) and n.module}
-        assert "torch" not in names, f"{path} imports torch; the core must stay pure Python"
+def imports_torch(path: pathlib.Path) -> bool:
+    """Whether a module's text imports torch anywhere (a function body too)."""
+    tree = ast.parse(path.read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+             for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module}
+    return "torch" in names
+
+
+# Torch lives only here: the tensor side, the model, the programs that run it,
+# and one function of the trace replayer (traces with prompt embeddings).
+TORCH_SIDE = ("kvref.attention", "kvref.worker.block_table", "kvref.worker.gpu_model_runner",
+              "kvref.model_executor", "kvref.entrypoints", "kvref.distributed",
+              "kvref.verify.trace_replay")
+
+
+def test_torch_is_imported_only_on_the_tensor_side():
+    """The core, the vocabulary, the scheduler, the step loop, the model-free
+    runner and the pictures are pure Python: not even a function imports torch."""
+    strays = [name for name, path in _modules().items()
+              if not name.startswith(TORCH_SIDE) and imports_torch(path)]
+    assert strays == [], f"{strays} import torch; only {TORCH_SIDE} may"
+
+
+def test_the_scheduling_side_imports_without_torch():
+    code = ("import sys, kvref, kvref.engine, kvref.sched.scheduler, kvref.sched.utils, "
+            "kvref.worker.model_free_runner, kvref.spec_decode.ngram_proposer, "
+            "kvref.config.model, kvref.worker; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in _modules() if n.startswith("kvref.core.")))
@@ -150,7 +175,8 @@ CORE_ORDER = ["kvref.core.kv_cache_manager", "kvref.core.kv_cache_coordinator",
               "kvref.core.kv_cache_utils"]
 # kvref.kv_cache_spec_registry: the spec -> manager table kv_cache_interface consults.
 VOCABULARY = {"kvref.kv_cache_interface", "kvref.request", "kvref.kv_events", "kvref.stats",
-              "kvref.hashing", "kvref.math_utils", "kvref.kv_cache_spec_registry"}
+              "kvref.hashing", "kvref.math_utils", "kvref.kv_cache_spec_registry",
+              "kvref.sampling_params", "kvref.outputs"}
 _DYNAMIC_IMPORTERS = {"import_module", "__import__"}
 
 
@@ -192,13 +218,13 @@ def test_the_import_finder_sees_imports_that_climb_inside_functions():
               "    from kvref.verify.invariants import check_block_pool\n"
               "    from ..verify import invariants\n"
               "    from . import kv_cache_utils\n"
-              "    import kvref.engine.scheduler\n"
+              "    import kvref.sched.scheduler\n"
               "    importlib.import_module('kvref.viz.explain')\n"
               "    __import__('kvref.cli')\n"
               "    from kvref import KVCacheManager\n")
     assert kvref_imports(source, "kvref.core.kv_cache_manager") == {
         "kvref.core.block_pool", "kvref.verify.invariants", "kvref.verify",
-        "kvref.core.kv_cache_utils", "kvref.engine.scheduler", "kvref.viz.explain",
+        "kvref.core.kv_cache_utils", "kvref.sched.scheduler", "kvref.viz.explain",
         "kvref.cli", "kvref"}
     assert kvref_imports("from . import block_pool\nfrom .. import stats\n", "kvref.core",
                          is_package=True) == {"kvref.core.block_pool", "kvref.stats"}
@@ -248,3 +274,104 @@ def test_no_underscore_name_is_imported_across_modules():
     found = [f"{p.relative_to(REPO).as_posix()}: {name}" for p in _repo_sources()
              for name in private_imports(ast.parse(p.read_text(encoding="utf-8")), p.parent)]
     assert found == [], "a helper another module needs is public (drop the underscore)"
+
+
+# -- the map: README's layout table is the tree ---------------------------------------
+
+# Folders that mirror a vLLM folder, and the top-level vocabulary: every module
+# here has a row in README's table.
+MAPPED = ("kvref.core.", "kvref.sched.", "kvref.worker.", "kvref.engine.", "kvref.entrypoints.",
+          "kvref.model_executor.", "kvref.spec_decode.", "kvref.config.")
+MAP_ROW = re.compile(r"^\| `(kvref/[\w/]+\.py)` \| (?:`(vllm/[\w/]+\.py)`|—) \|", re.M)
+
+
+def readme_map() -> dict[str, str | None]:
+    """README's layout table: kvref file -> the vLLM file it mirrors (None: none)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return {m.group(1): m.group(2) for m in MAP_ROW.finditer(text)}
+
+
+def test_the_map_parser_reads_both_kinds_of_row():
+    text = ("| `kvref/sched/utils.py` | `vllm/v1/core/sched/utils.py` | `check_stop` |\n"
+            "| `kvref/worker/model_free_runner.py` | — | no model |\n"
+            "| `kvref/a.py`, `b.py` | `vllm/a.py` | two files: not a map row |\n")
+    assert {m.group(1): m.group(2) for m in MAP_ROW.finditer(text)} == {
+        "kvref/sched/utils.py": "vllm/v1/core/sched/utils.py",
+        "kvref/worker/model_free_runner.py": None}
+
+
+def _mapped_files() -> list[str]:
+    return sorted(p.relative_to(REPO).as_posix() for name, p in _modules().items()
+                  if p.name != "__init__.py" and (name.startswith(MAPPED) or name in VOCABULARY))
+
+
+def test_every_engine_and_core_module_has_a_row_in_the_map():
+    table = readme_map()
+    missing = [f for f in _mapped_files() if f not in table]
+    assert missing == [], f"README's layout table has no row for {missing}"
+    gone = [f for f in table if not (REPO / f).is_file()]
+    assert gone == [], f"README's layout table names files that do not exist: {gone}"
+
+
+@pytest.mark.parametrize("rel", _mapped_files())
+def test_each_module_names_its_vllm_file_and_sits_in_its_folder(rel):
+    vllm_file = readme_map().get(rel, "")
+    doc = ast.get_docstring(ast.parse((REPO / rel).read_text(encoding="utf-8"))) or ""
+    if vllm_file is None:
+        assert "No vLLM counterpart" in doc, f"{rel} should say it has no vLLM counterpart"
+        return
+    assert vllm_file, f"README's layout table has no row for {rel}"
+    assert vllm_file in doc, f"{rel} should name {vllm_file} in its docstring"
+    folders = pathlib.PurePosixPath(rel).parts[1:-1]
+    if folders:   # the top-level vocabulary sits outside vLLM's folders, as the table says
+        assert folders[0] in pathlib.PurePosixPath(vllm_file).parts, \
+            f"{rel} sits in kvref/{folders[0]}/, but {vllm_file} is in no such folder"
+
+
+# -- the floors: no import climbs the house ---------------------------------------------
+
+FLOORS = [
+    ("the vocabulary", lambda n: n in VOCABULARY),
+    ("the KV layer", lambda n: n == "kvref" or n == "kvref.core" or n.startswith("kvref.core.")),
+    ("connectors, attention, config, proposer",
+     lambda n: n.startswith(("kvref.distributed", "kvref.attention", "kvref.config",
+                             "kvref.spec_decode"))),
+    ("the scheduler and the model", lambda n: n.startswith(("kvref.sched", "kvref.model_executor"))),
+    ("the worker", lambda n: n.startswith("kvref.worker")),
+    ("the engine", lambda n: n.startswith("kvref.engine")),
+    ("the entry points", lambda n: n.startswith("kvref.entrypoints")),
+]
+# The one import that runs up a floor on purpose: ``from kvref.engine import LLM``
+# keeps working, fetched lazily from the entry points (``kvref/engine/__init__.py``).
+HANDED_DOWN = {("kvref.engine", "kvref.entrypoints")}
+
+
+def floor_of(module: str) -> int:
+    """The floor a module lives on; kvref's own tools (verify, viz, ...) are the roof."""
+    return next((i for i, (_, on) in enumerate(FLOORS) if on(module)), len(FLOORS))
+
+
+def test_the_floors_put_each_layer_where_the_map_says():
+    assert [floor_of(n) for n in ("kvref.request", "kvref", "kvref.core.block_pool",
+                                  "kvref.distributed.kv_transfer.kv_connector.v1.base",
+                                  "kvref.sched.scheduler", "kvref.worker.gpu_model_runner",
+                                  "kvref.engine.core", "kvref.entrypoints.llm",
+                                  "kvref.viz.explain")] == [0, 1, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_no_import_climbs_the_house():
+    """A module imports only from its own floor or below, anywhere in its text."""
+    climbs = []
+    for name, path in _modules().items():
+        for target in _kvref_imports(name, path):
+            if floor_of(target) > floor_of(name) and (name, target) not in HANDED_DOWN:
+                climbs.append(f"{name} (floor {floor_of(name)}) imports {target} "
+                              f"(floor {floor_of(target)})")
+    assert climbs == [], "\n".join(climbs)
+
+
+def test_the_handed_down_name_is_fetched_lazily():
+    """``kvref.engine`` reaches the entry points only inside ``__getattr__``."""
+    tree = ast.parse((PACKAGE / "engine" / "__init__.py").read_text())
+    top_level = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert not any(m.startswith("kvref.entrypoints") for m in top_level)

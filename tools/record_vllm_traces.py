@@ -57,10 +57,11 @@ import sys
 from pathlib import Path
 
 from kvref.engine.core import engine_step
-from kvref.engine.model_free_runner import ModelFreeRunner
-from kvref.engine.request import EngineRequest, prompt_embeds_from_rows
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.scheduler import Scheduler
+from kvref.worker.model_free_runner import ModelFreeRunner
+from kvref.request import EngineRequest
+from kvref.verify.trace_replay import prompt_embeds_from_rows
+from kvref.sampling_params import SamplingParams
+from kvref.sched.scheduler import Scheduler
 from kvref.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -13,14 +13,15 @@ checks.
   id the failure cites. With ``--also-other-suites`` it then runs the rest of
   ``tests/`` on the same copy and reports whether they catch the bug too.
 - ``--catalogue tensor-engine`` (``TENSOR_ENGINE_CATALOGUE``): the tensor side
-  and the engine (``kvref/worker``, ``kvref/attention``, ``kvref/engine``),
+  and the engine (``kvref/attention``, ``kvref/worker``, ``kvref/sched``,
+  ``kvref/model_executor``, ``kvref/spec_decode``, ``kvref/engine``),
   against ``tests/tensor`` and ``tests/engine`` alone, without the tests that
   replay answers recorded from vLLM (``TRACE_FILES``, ``TRACE_TESTS``) and
   without lessons, the suite of the bug's own side first, fastest files
   first, stopping at the first failure, with the Hypothesis profile "seeded"
   (the ci examples, no shrinking); the report names the first failing test.
 - ``--catalogue connector`` (``CONNECTOR_CATALOGUE``): the scheduler's KV
-  connector path and async scheduling (``kvref/engine/scheduler.py``,
+  connector path and async scheduling (``kvref/sched/scheduler.py``,
   ``async_scheduler.py``), against ``tests/engine`` (its connector and async
   tests first), ``tests/distributed`` and ``tests/viz/test_disagg_life.py``, in
   the same way: no recorded vLLM trace, no lesson, first failure reported.
@@ -340,8 +341,8 @@ CATALOGUE: list[SeededBug] = [
 ]
 
 # -- The tensor side and the engine (--catalogue tensor-engine) ------------------------
-# Each bug is a mistake a reimplementer of kvref/worker, kvref/attention or
-# kvref/engine could plausibly make; "kind" says which blind spot of the tests it
+# Each bug is a mistake a reimplementer of the tensor side (kvref/attention,
+# kvref/worker) or the engine (kvref/sched, kvref/model_executor, ...) could plausibly make; "kind" says which blind spot of the tests it
 # probes (issue 24): most are invisible to models with regular weights, to
 # batches that never shrink, to runs that stay clear of max_model_len, or to a
 # component checked only against itself.
@@ -473,17 +474,17 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
     # -- engine: model ------------------------------------------------------------------
     SeededBug("qk-norm-shared",
               "Qwen3's keys are normalised with the query norm's weights",
-              "kvref/engine/model.py",
+              "kvref/model_executor/model.py",
               "self.k_norm(qk[:, heads:])",
               "self.q_norm(qk[:, heads:])", kind="weights"),
     SeededBug("mlp-reads-input-norm",
               "the MLP reads the input layernorm instead of the post-attention one",
-              "kvref/engine/model.py",
+              "kvref/model_executor/model.py",
               "        return hidden + self.mlp(self.post_attention_layernorm(hidden))",
               "        return hidden + self.mlp(self.input_layernorm(hidden))", kind="weights"),
     SeededBug("rmsnorm-weight-before-normalising",
               "RMSNorm scales by its weight before normalising (the weight cancels out)",
-              "kvref/engine/model.py",
+              "kvref/model_executor/model.py",
               "        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)\n"
               "        return self.weight * x32.to(x.dtype)",
               "        x32 = self.weight.float() * x32\n"
@@ -491,17 +492,17 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
               "        return x32.to(x.dtype)", kind="weights"),
     SeededBug("mlp-bias-ignored",
               "Llama's mlp_bias is not read from the config",
-              "kvref/engine/model_config.py",
+              "kvref/config/model.py",
               'mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),',
               "mlp_bias=False,", kind="weights"),
     SeededBug("tied-head-not-tied",
               "tie_word_embeddings leaves lm_head at its random initial weights",
-              "kvref/engine/model.py",
+              "kvref/model_executor/model.py",
               "            self.lm_head.weight = self.embed_tokens.weight\n",
               "            pass\n", kind="weights"),
     SeededBug("rope-interleaved-pairs",
               "rotary embedding rotates interleaved pairs (GPT-J) instead of halves",
-              "kvref/engine/model.py",
+              "kvref/model_executor/model.py",
               "    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)",
               "    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)",
               kind="engine"),
@@ -509,35 +510,35 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
     SeededBug("runner-resume-keeps-no-blocks",
               "a resumed request is treated as running: its new table is appended to "
               "the empty one",
-              "kvref/engine/gpu_input_batch.py",
+              "kvref/worker/gpu_input_batch.py",
               "            if req_id in cached.resumed_req_ids:",
               "            if False:", kind="engine"),
     SeededBug("logits-row-one-early",
               "the sampled logits are taken one row before each request's last token",
-              "kvref/engine/model_runner.py",
+              "kvref/worker/gpu_model_runner.py",
               "logits_indices.extend(range(end - len(draft) - 1, end))",
               "logits_indices.extend(range(end - len(draft) - 2, end - 1))", kind="engine"),
     SeededBug("persistent-row-other-request",
               "a table row is taken to hold the same request as last step whoever holds "
               "it now, so after the batch shrinks it only gets appended to",
-              "kvref/engine/model_runner.py",
+              "kvref/worker/gpu_model_runner.py",
               "        if held is not None and held[0] is state.block_ids:",
               "        if held is not None:", kind="buffers"),
     SeededBug("sampler-multiplies-temperature",
               "sampling multiplies the logits by the temperature instead of dividing",
-              "kvref/engine/model_runner.py",
+              "kvref/worker/gpu_model_runner.py",
               "probs = torch.softmax(logits[rows] / params.temperature, dim=-1)",
               "probs = torch.softmax(logits[rows] * params.temperature, dim=-1)", kind="engine"),
     SeededBug("seq-len-without-context",
               "a request's seq_len is its query length (the context is not attended)",
-              "kvref/engine/model_runner.py",
+              "kvref/worker/gpu_model_runner.py",
               "            seq_lens.append(start + n)",
               "            seq_lens.append(n)", kind="engine"),
     # -- engine: scheduler --------------------------------------------------------------
     SeededBug("threshold-first-chunk-only",
               "long_prefill_token_threshold caps a request when admitted, not its later "
               "chunks",
-              "kvref/engine/scheduler.py",
+              "kvref/sched/scheduler.py",
               "                          - request.num_computed_tokens)\n"
               "        if 0 < self.long_prefill_token_threshold < num_new_tokens:\n"
               "            num_new_tokens = self.long_prefill_token_threshold\n",
@@ -546,19 +547,19 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
     SeededBug("max-model-len-cap-off-by-one",
               "a running request may be scheduled up to position max_model_len "
               "(drafts reach past the last position)",
-              "kvref/engine/scheduler.py",
+              "kvref/sched/scheduler.py",
               "                             self.max_model_len - 1 - request.num_computed_tokens)",
               "                             self.max_model_len - request.num_computed_tokens)",
               kind="edges"),
     SeededBug("max-num-seqs-off-by-one",
               "one request more than max_num_seqs may run",
-              "kvref/engine/scheduler.py",
+              "kvref/sched/scheduler.py",
               "            if len(self.running) >= self.max_num_running_reqs:",
               "            if len(self.running) > self.max_num_running_reqs:",
               kind="every-chunk"),
     SeededBug("running-budget-uncapped",
               "a running request's chunk is not cut to the remaining token budget",
-              "kvref/engine/scheduler.py",
+              "kvref/sched/scheduler.py",
               "        num_new_tokens = min(num_new_tokens, token_budget,\n"
               "                             self.max_model_len - 1 - request.num_computed_tokens)",
               "        num_new_tokens = min(num_new_tokens,\n"
@@ -566,51 +567,51 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
               kind="every-chunk"),
     SeededBug("drafts-not-cut-to-budget",
               "the whole draft is scheduled although the budget cut the step",
-              "kvref/engine/scheduler.py",
+              "kvref/sched/scheduler.py",
               "request.spec_token_ids[:num_spec]", "request.spec_token_ids",
               kind="every-chunk"),
     SeededBug("victim-oldest",
               "a full pool preempts the oldest running request, not the last admitted",
-              "kvref/engine/scheduler.py",
+              "kvref/sched/scheduler.py",
               "            victim = self.running.pop()",
               "            victim = self.running.pop(0)", kind="engine"),
     SeededBug("stop-one-past-max-model-len",
               "check_stop lets a request reach max_model_len + 1 tokens",
-              "kvref/engine/request.py",
+              "kvref/sched/utils.py",
               "if request.num_tokens >= max_model_len or",
               "if request.num_tokens > max_model_len or", kind="edges"),
     # -- engine: statistics -------------------------------------------------------------
     SeededBug("num-cached-overwritten-on-resume",
               "num_cached_tokens is overwritten by a resume after the first token",
-              "kvref/engine/scheduler.py",
+              "kvref/sched/scheduler.py",
               "        if not request.output_token_ids:\n"
               "            request.num_cached_tokens = num_computed_tokens\n",
               "        request.num_cached_tokens = num_computed_tokens\n",
               kind="vllm-rule"),
     SeededBug("cached-stat-counts-outputs",
               "prompt_tokens_cached counts a resumed request's cached output tokens too",
-              "kvref/engine/scheduler.py",
+              "kvref/sched/scheduler.py",
               "min(num_hit, request.num_prompt_tokens)", "num_hit", kind="vllm-rule"),
     # -- engine: n-gram proposer --------------------------------------------------------
     SeededBug("ngram-latest-copy",
               "the draft follows the latest earlier copy of the suffix, not the earliest",
-              "kvref/engine/ngram_proposer.py",
+              "kvref/spec_decode/ngram_proposer.py",
               "            for start in range(0, total - n):",
               "            for start in reversed(range(0, total - n)):", kind="vllm-rule"),
     SeededBug("ngram-shortest-first",
               "the shortest matching n-gram wins, not the longest",
-              "kvref/engine/ngram_proposer.py",
+              "kvref/spec_decode/ngram_proposer.py",
               "        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):",
               "        for n in range(self.min_n, min(self.max_n, total - 1) + 1):",
               kind="vllm-rule"),
     SeededBug("ngram-no-overlap",
               "an earlier copy may not overlap the suffix itself",
-              "kvref/engine/ngram_proposer.py",
+              "kvref/spec_decode/ngram_proposer.py",
               "            for start in range(0, total - n):",
               "            for start in range(0, total - 2 * n + 1):", kind="vllm-rule"),
     SeededBug("ngram-ignores-max-model-len",
               "drafts are not cut at max_model_len (the scheduler's cap hides it)",
-              "kvref/engine/ngram_proposer.py",
+              "kvref/spec_decode/ngram_proposer.py",
               "        k = min(self.k, self.max_model_len - total)",
               "        k = self.k", kind="edges"),
 ]
@@ -618,13 +619,13 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
 
 # -- KV connectors and async scheduling (--catalogue connector) -------------------------
 # Each bug is a mistake a reimplementer of vLLM's connector path or of its
-# AsyncScheduler could plausibly make (kvref/engine/scheduler.py's connector
+# AsyncScheduler could plausibly make (kvref/sched/scheduler.py's connector
 # methods, async_scheduler.py). Each runs against tests/engine (the connector and
 # async tests first), tests/distributed and the README's disaggregated-request
 # tables, without the tests that replay recorded vLLM traces and without lessons.
 
-_SCHED = "kvref/engine/scheduler.py"
-_ASYNC = "kvref/engine/async_scheduler.py"
+_SCHED = "kvref/sched/scheduler.py"
+_ASYNC = "kvref/sched/async_scheduler.py"
 
 CONNECTOR_CATALOGUE: list[SeededBug] = [
     SeededBug("load-cached-before-landing",
@@ -793,7 +794,8 @@ def tensor_engine_tests(bug: SeededBug, root: Path) -> list[str]:
     """``tests/tensor`` and ``tests/engine``, the bug's own side first."""
     tensor = _ordered_tests(root, "tensor", TENSOR_FIRST)
     engine = _ordered_tests(root, "engine", ENGINE_FIRST)
-    return engine + tensor if bug.path.startswith("kvref/engine/") else tensor + engine
+    tensor_side = bug.path.startswith(("kvref/attention/", "kvref/worker/block_table.py"))
+    return tensor + engine if tensor_side else engine + tensor
 
 
 def _run_pytest(args: list[str], copy: Path, timeout: float) -> tuple[int | None, str]:

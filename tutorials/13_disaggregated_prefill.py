@@ -40,7 +40,7 @@ import time
 
 from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
                    Request, RequestStatus, get_request_block_hasher, init_none_hash, sha256)
-from kvref.distributed.kv_transfer.disagg_prefill import run_prefill_engine
+from kvref.entrypoints.disagg_prefill import run_prefill_engine
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.engine import LLM, SamplingParams
 from kvref.math_utils import cdiv

@@ -14,9 +14,11 @@ One module per vLLM file, same names::
 
 Imports only go down: along this list, and to the vocabulary modules beside
 the package (``kv_cache_interface``, ``kv_cache_spec_registry``, ``request``,
-``kv_events``, ``stats``, ``hashing``, ``math_utils``), never up to what reads
-the core (``kvref.verify``, ``kvref.engine``, ``kvref.viz``, ...), not even
-inside a function. The invariant checker reads the core from outside:
+``kv_events``, ``stats``, ``hashing``, ``math_utils``, ``sampling_params``,
+``outputs``), never up to what reads the core (``kvref.sched``, ``kvref.verify``,
+``kvref.engine``, ``kvref.viz``, ...), not even inside a function. vLLM's
+``v1/core/sched/`` is kvref's ``kvref/sched/``, one floor up: the scheduler
+is the KV layer's caller. The invariant checker reads the core from outside:
 ``kvref.verify.invariants.check_kv_cache_manager(manager, popped_blocks=...)``
 and ``check_block_pool(pool)``. ``tests/test_layout.py`` enforces all of it.
 Import from ``kvref`` itself: ``from kvref import KVCacheManager``.

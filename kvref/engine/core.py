@@ -5,8 +5,8 @@ Mirrors ``EngineCore.step`` and ``EngineCore.post_step`` of
 workloads and the tests (``ModelFreeRunner``, no torch) all step through
 ``EngineCore.step``::
 
-    scheduler.schedule()                      -> SchedulerOutput     (sched_output.py)
-    model_runner.execute_model(that)          -> ModelRunnerOutput   (outputs.py)
+    scheduler.schedule()                      -> SchedulerOutput     (kvref/sched/output.py)
+    model_runner.execute_model(that)          -> ModelRunnerOutput   (kvref/outputs.py)
     scheduler.update_from_output(both)        -> the requests that finished
     scheduler.update_draft_token_ids(model_runner.take_draft_token_ids())
 
@@ -34,7 +34,7 @@ the scheduler plans step N+1 while the runner works on step N. Its ``step``
 returns ``None`` for a call that only queued a batch. Use it with an
 ``AsyncScheduler`` and a runner made with ``async_scheduling=True``::
 
-    >>> from kvref.engine.async_scheduler import AsyncScheduler
+    >>> from kvref.sched.async_scheduler import AsyncScheduler
     >>> manager = KVCacheManager(config, max_model_len=32, scheduler_block_size=4,
     ...                          hash_block_size=4)
     >>> scheduler = AsyncScheduler(manager, max_num_batched_tokens=8)
@@ -72,10 +72,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvref.engine.outputs import ModelRunnerOutput
-from kvref.engine.request import EngineRequest
-from kvref.engine.sched_output import SchedulerOutput
-from kvref.engine.scheduler import Scheduler
+from kvref.outputs import ModelRunnerOutput
+from kvref.request import EngineRequest
+from kvref.sched.output import SchedulerOutput
+from kvref.sched.scheduler import Scheduler
 
 __all__ = ["AsyncEngineCore", "EngineCore", "EngineCoreStep", "ModelRunner", "engine_step",
            "make_engine_core"]

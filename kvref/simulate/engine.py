@@ -1,6 +1,6 @@
 """Run a request trace through kvref's vLLM 0.25.1 scheduler and KV cache, with no model.
 
-No vLLM counterpart. The engine is kvref's own (``kvref.engine.Scheduler``,
+No vLLM counterpart. The engine is kvref's own (``kvref.sched.scheduler.Scheduler``,
 ``KVCacheManager``, ``EngineCore``: the scheduler vLLM's recorded decisions
 replay on with 0 divergent steps, ``tests/engine/test_vllm_scheduler_traces.py``);
 what is added here is the clock, the runner and the bookkeeping:
@@ -59,16 +59,16 @@ from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 from kvref.core.single_type_kv_cache_manager import FullAttentionManager
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
-from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorRole,
-                                                                execute_with_connector)
+from kvref.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvref.worker.kv_connector_model_runner_mixin import execute_with_connector
 from kvref.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
     SimpleCPUOffloadConnector)
 from kvref.engine.core import EngineCore
-from kvref.engine.outputs import ModelRunnerOutput
-from kvref.engine.request import EngineRequest
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.sched_output import SchedulerOutput
-from kvref.engine.scheduler import Scheduler
+from kvref.outputs import ModelRunnerOutput
+from kvref.request import EngineRequest
+from kvref.sampling_params import SamplingParams
+from kvref.sched.output import SchedulerOutput
+from kvref.sched.scheduler import Scheduler
 from kvref.kv_cache_interface import FullAttentionSpec
 from kvref.math_utils import cdiv
 from kvref.simulate.attribution import CAUSES, MissLedger, PrefixHistory

@@ -80,10 +80,10 @@ def load_trace(path: str | Path) -> dict:
 
 def build_engine(config: dict):
     """kvref's scheduler and model-free runner for a trace configuration."""
-    from kvref.engine.model_free_runner import ModelFreeRunner
-    from kvref.engine.ngram_proposer import NgramProposer
-    from kvref.engine.async_scheduler import AsyncScheduler
-    from kvref.engine.scheduler import Scheduler
+    from kvref.worker.model_free_runner import ModelFreeRunner
+    from kvref.spec_decode.ngram_proposer import NgramProposer
+    from kvref.sched.async_scheduler import AsyncScheduler
+    from kvref.sched.scheduler import Scheduler
 
     bs = config["block_size"]
     groups = []
@@ -351,7 +351,7 @@ def _diff(expected: Any, actual: Any, path: str = "") -> str | None:
 def replay_run(run: dict, name: str = "", max_iterations: int = 20000) -> ReplayResult:
     """Replay one run of a trace on kvref; compare event by event."""
     from kvref.engine.core import make_engine_core
-    from kvref.engine.sampling_params import SamplingParams
+    from kvref.sampling_params import SamplingParams
 
     config = run["config"]
     scheduler, runner = build_engine(config)

@@ -221,12 +221,24 @@ def prompt_embeds_tensor(op: dict):
             or len({len(row) for row in rows}) != 1):
         raise MalformedTrace(f"request {op.get('req')!r}: prompt_embeds needs one row of "
                              f"equal length per prompt token ({len(op['prompt'])})")
-    from kvref.engine.request import prompt_embeds_from_rows
-
     try:
         return prompt_embeds_from_rows(rows, embeds.get("dtype"))
     except ValueError as exc:
         raise MalformedTrace(f"request {op.get('req')!r}: {exc}") from None
+
+
+def prompt_embeds_from_rows(rows: list[list[float]], dtype: str) -> Any:
+    """Prompt embeddings ``[num_prompt_tokens, hidden_size]`` from plain rows, as
+    a tensor of the dtype named ``dtype`` (``"float32"``). Only traces with
+    embeddings need torch, so it is imported here on first use; the KV layer
+    itself only hashes the tensor's bytes. ``ValueError`` if ``dtype`` names no
+    torch dtype."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"prompt_embeds dtype {dtype!r} is not a torch dtype name")
+    return torch.tensor(rows, dtype=torch_dtype)
 
 
 class TraceReplayer:

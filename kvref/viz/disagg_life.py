@@ -42,11 +42,11 @@ from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.distributed.kv_transfer.kv_connector.factory import (KVConnectorFactory,
                                                                 KVTransferConfig)
 from kvref.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from kvref.engine.async_scheduler import AsyncScheduler
+from kvref.sched.async_scheduler import AsyncScheduler
 from kvref.engine.core import make_engine_core
-from kvref.engine.model_free_runner import ModelFreeRunner
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.scheduler import Scheduler
+from kvref.worker.model_free_runner import ModelFreeRunner
+from kvref.sampling_params import SamplingParams
+from kvref.sched.scheduler import Scheduler
 from kvref.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvref.math_utils import cdiv
 from kvref.request import RequestStatus

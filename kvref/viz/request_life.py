@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from kvref.core.kv_cache_manager import KVCacheManager
 from kvref.engine.core import engine_step
-from kvref.engine.model_free_runner import ModelFreeRunner
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.scheduler import Scheduler
+from kvref.worker.model_free_runner import ModelFreeRunner
+from kvref.sampling_params import SamplingParams
+from kvref.sched.scheduler import Scheduler
 from kvref.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvref.request import RequestStatus
 from kvref.viz.tables import compress_ids

@@ -42,9 +42,9 @@ from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_
                                                                 KVConnectorMetadata,
                                                                 KVConnectorRole)
 from kvref.engine.core import engine_step
-from kvref.engine.model_free_runner import ModelFreeRunner
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.scheduler import Scheduler, StepRecord
+from kvref.worker.model_free_runner import ModelFreeRunner
+from kvref.sampling_params import SamplingParams
+from kvref.sched.scheduler import Scheduler, StepRecord
 from kvref import RequestStatus
 from kvref.kv_cache_interface import (
     FullAttentionSpec,

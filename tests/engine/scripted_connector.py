@@ -19,11 +19,11 @@ from kvref.distributed.kv_transfer.kv_connector.factory import (KVConnectorFacto
                                                                 KVTransferConfig)
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                 KVConnectorMetadata,
-                                                                KVConnectorRole,
-                                                                execute_with_connector)
+                                                                KVConnectorRole)
 from kvref.engine import AsyncScheduler, ModelFreeRunner, Scheduler
 from kvref.engine.core import make_engine_core
-from kvref.engine.outputs import ModelRunnerOutput
+from kvref.outputs import ModelRunnerOutput
+from kvref.worker.kv_connector_model_runner_mixin import execute_with_connector
 
 BLOCK = 4
 

@@ -18,7 +18,7 @@ import torch
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager
 from kvref.engine import (AsyncEngineCore, AsyncScheduler, EngineCore, ModelFreeRunner,
                           NgramProposer, SamplingParams, Scheduler)
-from kvref.engine.llm import LLM, default_batch_limits
+from kvref.entrypoints.llm import LLM, default_batch_limits
 from kvref.verify.invariants import check_kv_cache_manager
 
 from .hf_models import DEVICES, assert_matches_transformers, llama

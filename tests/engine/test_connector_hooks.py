@@ -20,9 +20,9 @@ from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_
                                                                 KVConnectorOutput,
                                                                 KVConnectorStats)
 from kvref.engine.core import EngineCore
-from kvref.engine.model_free_runner import ModelFreeRunner
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.scheduler import Scheduler
+from kvref.worker.model_free_runner import ModelFreeRunner
+from kvref.sampling_params import SamplingParams
+from kvref.sched.scheduler import Scheduler
 from kvref.kv_events import BlockStored
 
 
@@ -159,7 +159,7 @@ def test_no_connector_output_means_no_update_connector_output():
     """vLLM's runner returns no KVConnectorOutput from a step without a forward that
     has nothing to report (vllm/v1/outputs.py:284-294), and the scheduler then skips
     update_connector_output (scheduler.py:1781-1782); with an output it is called."""
-    from kvref.engine.outputs import ModelRunnerOutput
+    from kvref.outputs import ModelRunnerOutput
 
     scheduler, _ = make_engine()
     output = scheduler.schedule()                   # nothing to schedule

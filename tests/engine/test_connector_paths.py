@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager, RequestStatus
 from kvref.engine import AsyncScheduler, ModelFreeRunner, SamplingParams
-from kvref.engine.outputs import ModelRunnerOutput
+from kvref.outputs import ModelRunnerOutput
 from kvref.verify.invariants import check_kv_cache_manager
 
 from .scripted_connector import BLOCK, Script, engine, step_until_idle

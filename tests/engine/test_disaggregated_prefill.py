@@ -1,6 +1,6 @@
 """Disaggregated prefill across two OS processes: a prefill engine pushes KV to this one.
 
-The test starts the prefill engine (``kvref.distributed.kv_transfer.disagg_prefill``'s
+The test starts the prefill engine (``kvref.entrypoints.disagg_prefill``'s
 command line) in a second process; this process is the decode engine. They meet over a gloo
 process group and move each request's KV block by block (``P2pConnector``).
 The decode engine must produce the same greedy tokens as an engine that
@@ -60,7 +60,7 @@ def free_port() -> int:
 
 
 class PrefillEngine:
-    """``python -m kvref.distributed.kv_transfer.disagg_prefill ...`` in a forked process.
+    """``python -m kvref.entrypoints.disagg_prefill ...`` in a forked process.
 
     Forked rather than a fresh interpreter: the child starts with torch and the
     model code already imported (seconds instead of tens of seconds on a busy

@@ -7,10 +7,10 @@ import importlib
 
 import pytest
 
-MODULES = ["kvref.engine.core", "kvref.engine.scheduler", "kvref.engine.model_free_runner",
-           "kvref.engine.request", "kvref.engine.sampling_params", "kvref.engine.model",
-           "kvref.engine.model_runner", "kvref.engine.loader", "kvref.engine.ngram_proposer",
-           "kvref.engine.model_config"]
+MODULES = ["kvref.engine.core", "kvref.sched.scheduler", "kvref.worker.model_free_runner",
+           "kvref.request", "kvref.sampling_params", "kvref.model_executor.model",
+           "kvref.worker.gpu_model_runner", "kvref.model_executor.loader", "kvref.spec_decode.ngram_proposer",
+           "kvref.config.model"]
 
 
 @pytest.mark.parametrize("name", MODULES)

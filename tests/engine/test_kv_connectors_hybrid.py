@@ -41,8 +41,8 @@ from kvref.distributed.kv_transfer.kv_connector.factory import (
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput, SupportsHMA, supports_hma)
 from kvref.engine import LLM, SamplingParams
-from kvref.engine.model_free_runner import ModelFreeRunner
-from kvref.engine.scheduler import Scheduler
+from kvref.worker.model_free_runner import ModelFreeRunner
+from kvref.sched.scheduler import Scheduler
 from kvref.math_utils import cdiv
 
 from .hf_models import hybrid

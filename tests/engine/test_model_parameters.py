@@ -86,7 +86,7 @@ def test_every_parameter_loads_from_a_checkpoint_folder(tmp_path, arch, tie):
 def test_mlp_in_place_under_inference_equals_the_autograd_path():
     # GatedMLP overwrites its fused gate|up output in place when autograd is off; with
     # autograd on it keeps the out-of-place ops (backward needs gate). Same values.
-    from kvref.engine.model import GatedMLP, ModelConfig
+    from kvref.model_executor.model import GatedMLP, ModelConfig
     config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=16,
                          intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=8)

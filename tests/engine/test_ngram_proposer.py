@@ -2,7 +2,7 @@
 
 ``spec_draft`` below is the rule of the spec written out as plainly as
 possible (every length, every start, then the choice), independently of
-``kvref.engine.ngram_proposer``. Both are checked against answers recorded
+``kvref.spec_decode.ngram_proposer``. Both are checked against answers recorded
 from vLLM's own search function (``tools/record_ngram_cases.py``), and
 against each other on drawn token lists with tiny vocabularies, where most
 lists hold several earlier copies of their suffix.

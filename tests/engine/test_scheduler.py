@@ -20,7 +20,7 @@ from kvref import (
     SlidingWindowSpec,
 )
 from kvref.engine import EngineRequest, ModelFreeRunner, SamplingParams, Scheduler, engine_step
-from kvref.engine.ngram_proposer import NgramProposer
+from kvref.spec_decode.ngram_proposer import NgramProposer
 from kvref.verify.invariants import check_kv_cache_manager
 
 from .limits import Limits, watch_limits

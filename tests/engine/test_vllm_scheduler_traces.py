@@ -151,7 +151,7 @@ def test_the_replay_sees_missing_speculative_padding(monkeypatch):
 def test_llm_defaults_are_the_ones_vllm_resolves_on_cpu():
     """The llm_defaults runs used the batch limits vLLM's own EngineArgs gives
     vllm.LLM on CPU; kvref's LLM resolves the same ones (no torch model needed)."""
-    from kvref.engine.llm import resolve_batch_limits
+    from kvref.entrypoints.llm import resolve_batch_limits
 
     doc = load_trace(TRACE_DIR / "llm_defaults.json.gz")
     for L, chunked, tokens, seqs, want_tokens, want_seqs in doc["llm_defaults_grid"]:

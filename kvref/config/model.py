@@ -3,7 +3,7 @@
 Mirrors the part of ``vllm/config/model.py`` (``ModelConfig``) and
 ``vllm/transformers_utils/config.py`` that kvref's three architectures need:
 sizes, RoPE, biases, per-layer attention types and the window. Kept apart
-from ``model.py`` so that the network reads first there; no torch here.
+from ``kvref/model_executor/model.py`` so that the network reads first there; no torch here.
 ``ModelConfig.from_hf_config`` accepts transformers 4 and 5 configs.
 
     >>> config = ModelConfig(architecture="qwen3", vocab_size=32, hidden_size=16,

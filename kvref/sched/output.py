@@ -5,15 +5,16 @@ Mirrors ``vllm/v1/core/sched/output.py`` (``NewRequestData``,
 runners read. A request appears in exactly one of the two lists: in
 ``scheduled_new_reqs`` the first time a runner sees it (everything it needs),
 in ``scheduled_cached_reqs`` afterwards (only what changed). The scheduler
-(``scheduler.py``) builds these; the runners (``model_runner.py``,
-``model_free_runner.py``, through ``gpu_input_batch.py``) consume them.
+(``scheduler.py``) builds these; the runners (``kvref/worker/gpu_model_runner.py``,
+``kvref/worker/model_free_runner.py``, through ``kvref/worker/gpu_input_batch.py``)
+consume them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvref.engine.sampling_params import SamplingParams
+from kvref.sampling_params import SamplingParams
 
 __all__ = ["CachedRequestData", "NewRequestData", "SchedulerOutput"]
 

@@ -11,7 +11,7 @@ tutorials drive without torch::
 
     >>> from kvref import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager
     >>> from kvref.engine.core import engine_step
-    >>> from kvref.engine.scheduler import Scheduler
+    >>> from kvref.sched.scheduler import Scheduler
     >>> config = KVCacheConfig(8, [KVCacheGroupSpec(["l0"], FullAttentionSpec(4))])
     >>> manager = KVCacheManager(config, max_model_len=32, scheduler_block_size=4,
     ...                          hash_block_size=4)
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import zlib
 
-from kvref.distributed.kv_transfer.kv_connector.v1.base import execute_with_connector
-from kvref.engine.gpu_input_batch import RunnerRequestStates
-from kvref.engine.ngram_proposer import NgramProposer
-from kvref.engine.outputs import ModelRunnerOutput
-from kvref.engine.sched_output import SchedulerOutput
+from kvref.worker.kv_connector_model_runner_mixin import execute_with_connector
+from kvref.worker.gpu_input_batch import RunnerRequestStates
+from kvref.spec_decode.ngram_proposer import NgramProposer
+from kvref.outputs import ModelRunnerOutput
+from kvref.sched.output import SchedulerOutput
 
 __all__ = ["ModelFreeRunner"]
 

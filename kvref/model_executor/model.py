@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from kvref.attention import KVGatherBuffer, PagedAttentionPlan
-from kvref.engine.model_config import ModelConfig
+from kvref.config.model import ModelConfig
 
 # ModelConfig lives in model_config.py (the HF-config plumbing); exported here too.
 __all__ = ["AttentionMetadata", "ModelConfig", "RotaryEmbedding", "TransformerForCausalLM"]

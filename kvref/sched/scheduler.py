@@ -81,16 +81,16 @@ vLLM's connector path (the methods under "KV connector" below)::
       connector.on_new_request(req) in add_request, and
       connector.has_pending_push_work() keeps has_requests() true
 
-Use it with any runner that turns a ``SchedulerOutput`` (``sched_output.py``)
-into a ``ModelRunnerOutput`` (``outputs.py``), stepped by ``EngineCore``
-(``core.py``): ``kvref.engine.model_runner.GPUModelRunner`` runs a real model;
-``kvref.engine.model_free_runner.ModelFreeRunner`` emits deterministic tokens
+Use it with any runner that turns a ``SchedulerOutput`` (``kvref/sched/output.py``)
+into a ``ModelRunnerOutput`` (``kvref/outputs.py``), stepped by ``EngineCore``
+(``kvref/engine/core.py``): ``kvref.worker.gpu_model_runner.GPUModelRunner`` runs a real model;
+``kvref.worker.model_free_runner.ModelFreeRunner`` emits deterministic tokens
 with no model at all::
 
     >>> from kvref import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
     ...                    KVCacheManager)
     >>> from kvref.engine.core import engine_step
-    >>> from kvref.engine.model_free_runner import ModelFreeRunner
+    >>> from kvref.worker.model_free_runner import ModelFreeRunner
     >>> config = KVCacheConfig(16, [KVCacheGroupSpec(["l0"], FullAttentionSpec(4))])
     >>> manager = KVCacheManager(config, max_model_len=64, scheduler_block_size=4,
     ...                          hash_block_size=4)
@@ -137,10 +137,11 @@ from kvref.distributed.kv_transfer.kv_connector.factory import (
     KVConnectorFactory, KVTransferConfig, resolve_disable_hybrid_kv_cache_manager)
 from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorOutput,
                                                                 KVConnectorRole, SupportsHMA)
-from kvref.engine.outputs import ModelRunnerOutput
-from kvref.engine.request import EngineRequest, check_stop
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvref.outputs import ModelRunnerOutput
+from kvref.request import EngineRequest
+from kvref.sampling_params import SamplingParams
+from kvref.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvref.sched.utils import check_stop
 from kvref.math_utils import cdiv
 from kvref.stats import PrefixCacheStats
 

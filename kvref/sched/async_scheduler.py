@@ -42,9 +42,9 @@ request.
 from __future__ import annotations
 
 from kvref import RequestStatus
-from kvref.engine.request import EngineRequest
-from kvref.engine.sched_output import SchedulerOutput
-from kvref.engine.scheduler import Scheduler
+from kvref.request import EngineRequest
+from kvref.sched.output import SchedulerOutput
+from kvref.sched.scheduler import Scheduler
 
 __all__ = ["AsyncScheduler"]
 

@@ -3,7 +3,7 @@
 Mirrors ``CachedRequestState`` of ``vllm/v1/worker/gpu_input_batch.py`` and
 the request bookkeeping of ``GPUModelRunner._update_states`` in
 ``vllm/v1/worker/gpu_model_runner.py``. Both kvref runners
-(``model_runner.GPUModelRunner`` and ``model_free_runner.ModelFreeRunner``)
+(``gpu_model_runner.GPUModelRunner`` and ``model_free_runner.ModelFreeRunner``)
 derive from ``RunnerRequestStates``: it applies each ``SchedulerOutput`` to the
 states (``update_states``), says which tokens a step feeds in and whether it
 samples, accepts or rejects draft tokens, and advances a state past the step.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvref.engine.ngram_proposer import NgramProposer
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.sched_output import SchedulerOutput
+from kvref.spec_decode.ngram_proposer import NgramProposer
+from kvref.sampling_params import SamplingParams
+from kvref.sched.output import SchedulerOutput
 
 __all__ = ["CachedRequestState", "RunnerRequestStates"]
 

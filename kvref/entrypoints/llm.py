@@ -1,7 +1,7 @@
 """``LLM``: the offline entry point, generating with kvref's KV cache manager.
 
 Mirrors ``vllm/entrypoints/llm.py`` (``LLM.generate``); each ``LLM.step`` is
-one ``EngineCore.step`` (``core.py``, vLLM's ``vllm/v1/engine/core.py``): the
+one ``EngineCore.step`` (``kvref/engine/core.py``, vLLM's ``vllm/v1/engine/core.py``): the
 scheduler plans a batch over ``kvref.KVCacheManager``, the model runner runs it
 over the paged KV cache, and the scheduler takes the sampled tokens back::
 
@@ -53,14 +53,14 @@ import torch
 from kvref import KVCacheConfig, KVCacheManager
 from kvref.distributed.kv_transfer.kv_connector.factory import (
     resolve_disable_hybrid_kv_cache_manager)
-from kvref.engine.async_scheduler import AsyncScheduler
+from kvref.sched.async_scheduler import AsyncScheduler
 from kvref.engine.core import make_engine_core
-from kvref.engine.loader import load_model
-from kvref.engine.model_runner import GPUModelRunner, make_kv_cache_config
-from kvref.engine.ngram_proposer import NgramProposer
-from kvref.engine.request import EngineRequest
-from kvref.engine.sampling_params import SamplingParams
-from kvref.engine.scheduler import Scheduler, SchedulerStats
+from kvref.model_executor.loader import load_model
+from kvref.worker.gpu_model_runner import GPUModelRunner, make_kv_cache_config
+from kvref.spec_decode.ngram_proposer import NgramProposer
+from kvref.request import EngineRequest
+from kvref.sampling_params import SamplingParams
+from kvref.sched.scheduler import Scheduler, SchedulerStats
 
 __all__ = ["CompletionOutput", "LLM", "RequestOutput", "default_batch_limits",
            "resolve_batch_limits"]

@@ -1,13 +1,13 @@
-"""Run a prefill engine: ``python -m kvref.distributed.kv_transfer.disagg_prefill``.
+"""Run a prefill engine: ``python -m kvref.entrypoints.disagg_prefill``.
 
-The producer half of disaggregated prefill, as its own OS process (the role
+The producer half of disaggregated prefill, as its own OS process: the role
 vLLM's ``vllm serve --kv-transfer-config '{"kv_role": "kv_producer", ...}'``
-plays). It prefills each prompt (``max_tokens=1``, as vLLM's disaggregation
+plays (``vllm/entrypoints/cli/serve.py``), so it lives with the entry points. It prefills each prompt (``max_tokens=1``, as vLLM's disaggregation
 proxy asks of a prefill engine), pushes every request's KV to the decode engine
 listening on ``--port`` with ``P2pConnector``, keeps stepping until every send
 ended, and prints one JSON line per request: its id and the token it sampled::
 
-    python -m kvref.distributed.kv_transfer.disagg_prefill --model DIR --port 29555 \\
+    python -m kvref.entrypoints.disagg_prefill --model DIR --port 29555 \\
         --block-size 4 --requests requests.json     # [{"request_id": ..., "prompt": [...]}]
 
 ``--stall-after-blocks k`` stops sending after ``k`` blocks and prints

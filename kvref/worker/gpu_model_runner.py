@@ -44,7 +44,7 @@ one group at a time: the pool never hands one block to two groups.
     >>> runner.kv_caches[2].shape                        # [num_blocks, 2, block, KV, D]
     torch.Size([20, 2, 4, 1, 8])
 
-The assembled engine is ``kvref.engine.llm.LLM``.
+The assembled engine is ``kvref.entrypoints.llm.LLM``.
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ from kvref.core.kv_cache_utils import capacity_config, get_kv_cache_groups
 from kvref.attention import PagedAttentionPlan, make_kv_cache
 from kvref.distributed.kv_transfer.kv_connector.factory import (
     KVConnectorFactory, resolve_disable_hybrid_kv_cache_manager)
-from kvref.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorRole,
-                                                                execute_with_connector)
-from kvref.engine.model import AttentionMetadata, TransformerForCausalLM
-from kvref.engine.model_config import ModelConfig
-from kvref.engine.gpu_input_batch import CachedRequestState, RunnerRequestStates
-from kvref.engine.ngram_proposer import NgramProposer
-from kvref.engine.outputs import ModelRunnerOutput
-from kvref.engine.sched_output import SchedulerOutput
+from kvref.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvref.worker.kv_connector_model_runner_mixin import execute_with_connector
+from kvref.model_executor.model import AttentionMetadata, TransformerForCausalLM
+from kvref.config.model import ModelConfig
+from kvref.worker.gpu_input_batch import CachedRequestState, RunnerRequestStates
+from kvref.spec_decode.ngram_proposer import NgramProposer
+from kvref.outputs import ModelRunnerOutput
+from kvref.sched.output import SchedulerOutput
 from kvref.worker import MultiGroupBlockTable
 
 __all__ = ["GPUModelRunner", "layer_name", "make_kv_cache_config"]

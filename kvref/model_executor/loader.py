@@ -25,8 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
-from kvref.engine.model import TransformerForCausalLM
-from kvref.engine.model_config import ModelConfig
+from kvref.model_executor.model import TransformerForCausalLM
+from kvref.config.model import ModelConfig
 
 __all__ = ["iterate_checkpoint_weights", "load_hf_config", "load_model"]
 
