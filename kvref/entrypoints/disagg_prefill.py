@@ -38,7 +38,8 @@ def run_prefill_engine(model, requests: list[dict], port: int, *, block_size: in
     import torch
 
     from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
-    from kvref.engine import LLM, SamplingParams
+    from kvref.entrypoints.llm import LLM
+    from kvref.sampling_params import SamplingParams
 
     emit = emit or (lambda record: print(json.dumps(record), flush=True))
     torch.set_num_threads(1)

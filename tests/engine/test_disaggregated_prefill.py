@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from kvref.distributed.kv_transfer import disagg_prefill
+from kvref.entrypoints import disagg_prefill
 from kvref.distributed.kv_transfer.kv_connector.factory import KVTransferConfig
 from kvref.engine import LLM, SamplingParams
 from kvref.math_utils import cdiv
