@@ -10,7 +10,7 @@ its arguments, ``cache_blocks``, ``free``, ``pop_blocks_for_free``, and the
 pool's ``free_blocks`` of a deferred free), with ``D``'s status, the blocks
 it holds, how many of them carry a hash, and the ``reserved_blocks`` its
 load was admitted under. Each branch's rows are claims checked against the
-run as it happens (``LifeError`` if one is false), and the README's tables
+run as it happens (``LifeError`` if one is false), and docs/pictures.md's tables
 (``render_disagg_life``) must be exactly today's run
 (``tests/viz/test_disagg_life.py``)::
 

@@ -7,7 +7,7 @@ is evicted: arrival, prefix hit, chunked prefill, decode, preemption, resume,
 finish, its blocks cached in the free queue, evicted by a later request. Each
 stage is a claim checked against the scheduler's records and the manager's
 pool as it happens (``LifeError`` if one is false), so the picture in the
-README (``render_request_life``, checked by ``tests/viz/test_request_life.py``)
+docs/pictures.md (``render_request_life``, checked by ``tests/viz/test_request_life.py``)
 cannot drift from what the code does::
 
     print(render_request_life(request_life()))

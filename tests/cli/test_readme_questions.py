@@ -1,4 +1,4 @@
-"""The README's "questions answered by looking" get the answers it prints."""
+"""The "questions answered by looking" (docs/pictures.md) get the answers it prints."""
 
 import re
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 from tests.cli.test_cli import kvref
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "pictures.md"
 
 # command in the README -> what its answer must say (whitespace-insensitive)
 ANSWERS = {
