@@ -320,7 +320,7 @@ def disagg_life(branch: str = "lands") -> DisaggLife:
 
 
 def render_disagg_life(life: DisaggLife) -> str:
-    """One branch as a plain-text table (what the README shows)."""
+    """One branch as a plain-text table (what docs/pictures.md shows)."""
     head = ("when", "manager call for D", "D's status", "D's blocks", "hashed", "reserved")
     rows = [head] + [(r.when, r.call, r.status, r.held, r.hashed, r.reserved)
                      for r in life.rows]

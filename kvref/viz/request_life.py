@@ -209,7 +209,7 @@ def request_life() -> RequestLife:
 
 
 def render_request_life(life: RequestLife) -> str:
-    """The life as a plain-text table (what the README shows)."""
+    """The life as a plain-text table (what docs/pictures.md shows)."""
     head = ("step", "stage", "A computed", "A's blocks", "what happened")
     rows = [head] + [(str(r.step), r.stage, r.computed, r.blocks, r.what) for r in life.rows]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
