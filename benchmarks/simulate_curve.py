@@ -1,4 +1,4 @@
-"""The capacity curve of a Mooncake trace through ``kvref simulate`` (README, "Real traffic").
+"""The capacity curve of a Mooncake trace through ``kvref simulate`` (docs/simulate.md).
 
 Hit ratio (prompt tokens served from the cache, each request once) against KV
 cache capacity, order-only arrivals as the paper's Figure 9, outputs capped at

@@ -1,7 +1,7 @@
-"""Every command of every README runs, as printed or in its stated cheap form.
+"""Every command of every README and docs page runs, as printed or in its stated cheap form.
 
 The rules are in ``tools/readme_commands.py``: each ```bash and ```python block
-of every tracked README.md runs in a subprocess, in a copy of the repository
+of every tracked README.md and ``docs/*.md`` page runs in a subprocess, in a copy of the repository
 (so files the commands write land in the copy), with this python's folder first
 on PATH (so ``python3``, ``kvref`` and ``jupytext`` are the ones CI installed).
 Commands too long for CI run in the cheap form ``CHEAP`` names, and the test
@@ -51,10 +51,20 @@ def run_block(block: rc.Block, where: Path, script: str | None = None,
 
 
 def test_the_readmes_have_command_blocks():
-    names = {b.readme for b in BLOCKS}
+    names = {b.page for b in BLOCKS}
     assert {"README.md", "tutorials/README.md", "benchmarks/README.md",
             "tests/conformance/README.md"} <= names, names
     assert sum(b.lang == "python" for b in BLOCKS) >= 3
+
+
+def test_the_docs_pages_commands_are_run():
+    """The pages the README sends a reader to are run like the READMEs: each
+    page that prints commands is found, the README's two set-up commands too."""
+    names = {b.page for b in BLOCKS}
+    assert {"docs/first_look.md", "docs/pictures.md", "docs/watch.md", "docs/simulate.md",
+            "docs/testing.md", "docs/seeded_bugs.md", "docs/benchmarks.md"} <= names, names
+    assert sum(b.page == "README.md" for b in BLOCKS) == 2
+    assert sum(b.page == "docs/first_look.md" and b.lang == "python" for b in BLOCKS) == 3
 
 
 def test_every_block_names_what_it_installs():
@@ -65,7 +75,7 @@ def test_every_block_names_what_it_installs():
 def test_every_cheap_form_is_for_a_printed_command():
     printed = rc.printed_commands(BLOCKS)
     stale = sorted(set(rc.CHEAP) - printed)
-    assert not stale, f"CHEAP entries for commands no README prints any more: {stale}"
+    assert not stale, f"CHEAP entries for commands no page prints any more: {stale}"
 
 
 def test_ci_runs_the_readme_test_command():

@@ -1,8 +1,9 @@
-"""Every command printed in a README, run as printed (or in a stated cheap form).
+"""Every command printed in a README or a docs page, run as printed (or in a stated cheap form).
 
 No vLLM counterpart: the project's promise to a newcomer. Every ```bash and
-```python block of every tracked ``README.md`` is a list of commands someone
-will paste. ``tests/test_readme_commands.py`` runs them all in CI's
+```python block of every tracked ``README.md`` and of every tracked page
+``docs/*.md`` (the pages the top README links, where most commands live) is a
+list of commands someone will paste. ``tests/test_readme_commands.py`` runs them all in CI's
 environment; ``tools/readme_fresh_venv.py`` repeats them block by block, each
 in a fresh clone and a fresh venv that installs only what the block names.
 
@@ -18,9 +19,9 @@ The rules, which both runners share:
 * A command too long for CI (the full test suite, the 50-minute seeded-bug
   run, the deep Hypothesis profile, the full benchmark) has an entry in
   ``CHEAP``: the same program run on a small part of its work, and why. The
-  entry is keyed by the command exactly as printed, so a README edit that
+  entry is keyed by the command exactly as printed, so a page edit that
   changes such a command makes the test fail until the entry follows; an
-  entry no README prints any more fails too. Nothing is skipped.
+  entry no page prints any more fails too. Nothing is skipped.
 * In CI, a ``pip install`` line is not re-run (CI installed ``.[test]`` before
   the tests): ``check-install`` checks that every extra it names exists in
   ``pyproject.toml`` and that each of its requirements is installed here.
@@ -118,14 +119,14 @@ CHEAP: dict[str, tuple[str, str]] = {
 
 @dataclass
 class Block:
-    readme: str            # path relative to the repository root
+    page: str              # path relative to the repository root
     line: int              # line of the opening fence, 1-based
     lang: str              # "bash" or "python"
     text: str
 
     @property
     def id(self) -> str:
-        return f"{self.readme}:{self.line}"
+        return f"{self.page}:{self.line}"
 
     def commands(self) -> list[str]:
         """The block's commands without their trailing comments (bash) or the
@@ -143,29 +144,38 @@ class Block:
         return [e for e in (match.group("extras") or "").split(",") if e]
 
 
-def readmes(root: Path = ROOT) -> list[Path]:
-    """The tracked README.md files (every README.md under root without git)."""
+def is_page(rel: str) -> bool:
+    """A README.md anywhere, or a markdown page directly under docs/."""
+    parts = rel.split("/")
+    return parts[-1] == "README.md" or (len(parts) == 2 and parts[0] == "docs"
+                                        and parts[1].endswith(".md"))
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """The tracked pages whose commands run: every README.md and every
+    ``docs/*.md`` (without git: every such file under root)."""
     try:
-        out = subprocess.run(["git", "ls-files", "*README.md", "README.md"], cwd=root,
-                             capture_output=True, text=True, check=True).stdout
-        paths = sorted({root / p for p in out.split()})
+        out = subprocess.run(["git", "ls-files", "*README.md", "README.md", "docs/*.md"],
+                             cwd=root, capture_output=True, text=True, check=True).stdout
+        paths = sorted({root / p for p in out.split() if is_page(p)})
         if paths:
             return paths
     except (OSError, subprocess.CalledProcessError):
         pass
-    return sorted(p for p in root.rglob("README.md")
-                  if not any(part.startswith(".") or part in ("build", "node_modules")
-                             for part in p.relative_to(root).parts))
+    return sorted(p for p in root.rglob("*.md")
+                  if is_page(p.relative_to(root).as_posix())
+                  and not any(part.startswith(".") or part in ("build", "node_modules")
+                              for part in p.relative_to(root).parts))
 
 
 class ReadmeFormatError(ValueError):
-    """A README's commands are not where the runners can find them."""
+    """A page's commands are not where the runners can find them."""
 
 
 def blocks(root: Path = ROOT) -> list[Block]:
-    """Every command block of every README, in file order."""
+    """Every command block of every page (``pages``), in file order."""
     found = []
-    for path in readmes(root):
+    for path in pages(root):
         rel = path.relative_to(root).as_posix()
         lines = path.read_text(encoding="utf-8").splitlines()
         i = 0

@@ -1,11 +1,11 @@
-"""Every README block in a fresh clone and a fresh venv with only what it names.
+"""Every README and docs-page block in a fresh clone and a fresh venv with only what it names.
 
-No vLLM counterpart. ``tests/test_readme_commands.py`` runs every README
-command in CI's environment, where ``.[test]`` (everything) is installed; that
-cannot show that a block which says ``pip install -e '.[tutorials]'`` works
-with the tutorials extra alone. This script can: for each command block
-(``tools/readme_commands.py`` finds them, with the same cheap forms of the long
-commands) it
+No vLLM counterpart. ``tests/test_readme_commands.py`` runs every command of
+every README and ``docs/*.md`` page in CI's environment, where ``.[test]``
+(everything) is installed; that cannot show that a block which says
+``pip install -e '.[tutorials]'`` works with the tutorials extra alone. This
+script can: for each command block (``tools/readme_commands.py`` finds them,
+with the same cheap forms of the long commands) it
 
 1. clones the repository's committed ``HEAD`` into a temporary folder,
 2. makes a new venv (no system site packages) for the install the block

@@ -621,7 +621,7 @@ TENSOR_ENGINE_CATALOGUE: list[SeededBug] = [
 # Each bug is a mistake a reimplementer of vLLM's connector path or of its
 # AsyncScheduler could plausibly make (kvref/sched/scheduler.py's connector
 # methods, async_scheduler.py). Each runs against tests/engine (the connector and
-# async tests first), tests/distributed and the README's disaggregated-request
+# async tests first), tests/distributed and docs/pictures.md's disaggregated-request
 # tables, without the tests that replay recorded vLLM traces and without lessons.
 
 _SCHED = "kvref/sched/scheduler.py"
@@ -785,7 +785,7 @@ CONNECTOR_FIRST = ["test_connector_paths.py", "test_vllm_connector_stalls.py",
 
 def connector_tests(root: Path) -> list[str]:
     """``tests/engine`` (connector and async tests first), ``tests/distributed``, and
-    the README's tables of one disaggregated request."""
+    docs/pictures.md's tables of one disaggregated request."""
     return [*_ordered_tests(root, "engine", CONNECTOR_FIRST),
             *_ordered_tests(root, "distributed", []), "tests/viz/test_disagg_life.py"]
 

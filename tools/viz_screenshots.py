@@ -1,4 +1,4 @@
-"""Make the README's pictures of the viewers, and measure the 1,000-op player.
+"""Make docs/pictures.md's pictures of the viewers, and measure the 1,000-op player.
 
     python3 tools/viz_screenshots.py            # writes docs/viz-*.png
     python3 tools/viz_screenshots.py --measure  # size and step latency of a 1,000-op player

@@ -2,7 +2,7 @@
 """Run vLLM 0.25.1's own KV-layer and scheduler unit tests on vLLM and on kvref.
 
     python3 tools/vllm_unit_tests.py                     # fetch, run both, print the table
-    python3 tools/vllm_unit_tests.py --markdown          # the table as the README has it
+    python3 tools/vllm_unit_tests.py --markdown          # the table as docs/testing.md has it
     python3 tools/vllm_unit_tests.py -k prefix_caching   # only test files matching
 
 What it does:
@@ -109,7 +109,7 @@ EXPECTED_KVREF_FAILURES: dict[str, str] = {
 }
 
 
-# Features kvref keeps out for now (the README says why): a test whose node id
+# Features kvref keeps out for now (docs/layout.md says why): a test whose node id
 # contains the key is counted as a not-modelled gap, not as a failure of the
 # layer kvref does model. Exit 2 while any remain.
 NOT_MODELLED: dict[str, str] = {

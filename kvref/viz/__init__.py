@@ -7,7 +7,7 @@ runs), ``explain`` (why an op did what it did), ``interactive`` (stepping by
 typed commands), ``app`` (the full-screen viewer, Textual), ``details`` (one
 block or request as the replayed manager holds it), ``html_player`` (the whole
 trace as one offline HTML page, and ``Player`` for notebooks), ``demo`` (the
-demo's pacing), ``request_life`` and ``disagg_life`` (the README's tables of one
+demo's pacing), ``request_life`` and ``disagg_life`` (docs/pictures.md's tables of one
 request's life and of one disaggregated request's calls, checked as they run),
 ``watch`` (what ``kvref watch`` shows of a running vLLM), ``gates``
 (``allocate_slots``' gates as the manager weighed them, for ``explain``).

@@ -10,7 +10,7 @@ its arguments, ``cache_blocks``, ``free``, ``pop_blocks_for_free``, and the
 pool's ``free_blocks`` of a deferred free), with ``D``'s status, the blocks
 it holds, how many of them carry a hash, and the ``reserved_blocks`` its
 load was admitted under. Each branch's rows are claims checked against the
-run as it happens (``LifeError`` if one is false), and the README's tables
+run as it happens (``LifeError`` if one is false), and docs/pictures.md's tables
 (``render_disagg_life``) must be exactly today's run
 (``tests/viz/test_disagg_life.py``)::
 
@@ -320,7 +320,7 @@ def disagg_life(branch: str = "lands") -> DisaggLife:
 
 
 def render_disagg_life(life: DisaggLife) -> str:
-    """One branch as a plain-text table (what the README shows)."""
+    """One branch as a plain-text table (what docs/pictures.md shows)."""
     head = ("when", "manager call for D", "D's status", "D's blocks", "hashed", "reserved")
     rows = [head] + [(r.when, r.call, r.status, r.held, r.hashed, r.reserved)
                      for r in life.rows]

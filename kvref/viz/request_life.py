@@ -7,7 +7,7 @@ is evicted: arrival, prefix hit, chunked prefill, decode, preemption, resume,
 finish, its blocks cached in the free queue, evicted by a later request. Each
 stage is a claim checked against the scheduler's records and the manager's
 pool as it happens (``LifeError`` if one is false), so the picture in the
-README (``render_request_life``, checked by ``tests/viz/test_request_life.py``)
+docs/pictures.md (``render_request_life``, checked by ``tests/viz/test_request_life.py``)
 cannot drift from what the code does::
 
     print(render_request_life(request_life()))
@@ -209,7 +209,7 @@ def request_life() -> RequestLife:
 
 
 def render_request_life(life: RequestLife) -> str:
-    """The life as a plain-text table (what the README shows)."""
+    """The life as a plain-text table (what docs/pictures.md shows)."""
     head = ("step", "stage", "A computed", "A's blocks", "what happened")
     rows = [head] + [(str(r.step), r.stage, r.computed, r.blocks, r.what) for r in life.rows]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -1,4 +1,4 @@
-"""The README's "questions answered by looking" get the answers it prints."""
+"""The "questions answered by looking" (docs/pictures.md) get the answers it prints."""
 
 import re
 from pathlib import Path
@@ -7,9 +7,9 @@ import pytest
 
 from tests.cli.test_cli import kvref
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "pictures.md"
 
-# command in the README -> what its answer must say (whitespace-insensitive)
+# command on the page -> what its answer must say (whitespace-insensitive)
 ANSWERS = {
     "kvref viz mt.json --step 20": ["in use 0 (cached 0) evictable cached 24"],
     "kvref explain mt.json --op 233": ["0 of 29 tokens hit", "token 2 differs (block 0)"],
@@ -29,15 +29,15 @@ def traces(tmp_path_factory):
     return where
 
 
-def test_the_readme_asks_exactly_these_questions():
-    section = README.read_text(encoding="utf-8").split("Questions answered by looking")[1]
+def test_the_page_asks_exactly_these_questions():
+    section = PAGE.read_text(encoding="utf-8").split("Questions answered by looking")[1]
     section = section.split("\n## ")[0]
     asked = set(re.findall(r"`(kvref (?:viz|explain) [^`]+)`", section))
     assert asked == set(ANSWERS), asked ^ set(ANSWERS)
 
 
 @pytest.mark.parametrize("command", sorted(ANSWERS))
-def test_each_question_gets_the_readme_answer(traces, command):
+def test_each_question_gets_the_page_answer(traces, command):
     result = kvref(*command.split()[1:], cwd=traces)
     assert result.returncode == 0, result.stderr
     out = " ".join(result.stdout.split())

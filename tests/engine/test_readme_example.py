@@ -1,7 +1,7 @@
-"""The README's engine example runs as printed and prints what the README says.
+"""The docs' engine example runs as printed and prints what the page says.
 
-The code is read from README.md itself (the python block that builds an
-``LLM``), not copied here, so the README cannot drift from what is tested.
+The code is read from docs/first_look.md itself (the python block that builds
+an ``LLM``), not copied here, so the page cannot drift from what is tested.
 ``tests/test_readme_commands.py`` runs it in a subprocess as well; this test
 looks at what it computes.
 """
@@ -22,8 +22,8 @@ import readme_commands  # noqa: E402
 
 def readme_engine_example() -> str:
     found = [b.text for b in readme_commands.blocks(ROOT)
-             if b.readme == "README.md" and b.lang == "python" and "LLM(" in b.text]
-    assert len(found) == 1, "README.md should have one engine example"
+             if b.page == "docs/first_look.md" and b.lang == "python" and "LLM(" in b.text]
+    assert len(found) == 1, "docs/first_look.md should have one engine example"
     return found[0]
 
 

@@ -1,4 +1,4 @@
-"""The README's tables of one disaggregated request are today's run, and their claims hold."""
+"""docs/pictures.md's tables of one disaggregated request are today's run, and their claims hold."""
 
 from pathlib import Path
 
@@ -7,15 +7,15 @@ import pytest
 from kvref.viz import disagg_life as life_module
 from kvref.viz.disagg_life import BRANCHES, LifeError, disagg_life, render_disagg_life
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "pictures.md"
 
 
 @pytest.mark.parametrize("branch", BRANCHES)
-def test_the_readme_shows_exactly_what_the_run_draws(branch):
+def test_the_page_shows_exactly_what_the_run_draws(branch):
     picture = render_disagg_life(disagg_life(branch))
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     assert "```text\n" + picture + "\n```" in text, (
-        f"README.md's table of the {branch!r} branch differs from the run: paste the "
+        f"docs/pictures.md's table of the {branch!r} branch differs from the run: paste the "
         "output of python3 -m kvref.viz.disagg_life")
 
 

@@ -1,4 +1,4 @@
-"""The README's picture of one request's life is today's run, and its claims hold."""
+"""docs/pictures.md's picture of one request's life is today's run, and its claims hold."""
 
 from pathlib import Path
 
@@ -7,14 +7,14 @@ import pytest
 from kvref.viz import request_life as life_module
 from kvref.viz.request_life import STAGES, LifeError, render_request_life, request_life
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "pictures.md"
 
 
-def test_the_readme_shows_exactly_what_the_run_draws():
+def test_the_page_shows_exactly_what_the_run_draws():
     picture = render_request_life(request_life())
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     assert "```text\n" + picture + "\n```" in text, (
-        "README.md's request-life picture differs from the run: paste the output of "
+        "docs/pictures.md's request-life picture differs from the run: paste the output of "
         "python3 -m kvref.viz.request_life")
 
 
