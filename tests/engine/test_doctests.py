@@ -9,8 +9,8 @@ import pytest
 
 MODULES = ["kvref.engine.core", "kvref.sched.scheduler", "kvref.worker.model_free_runner",
            "kvref.request", "kvref.sampling_params", "kvref.model_executor.model",
-           "kvref.worker.gpu_model_runner", "kvref.model_executor.loader", "kvref.spec_decode.ngram_proposer",
-           "kvref.config.model"]
+           "kvref.worker.gpu_model_runner", "kvref.model_executor.loader",
+           "kvref.spec_decode.ngram_proposer", "kvref.config.model"]
 
 
 @pytest.mark.parametrize("name", MODULES)
