@@ -343,9 +343,10 @@ CATALOGUE: list[SeededBug] = [
 # -- The tensor side and the engine (--catalogue tensor-engine) ------------------------
 # Each bug is a mistake a reimplementer of the tensor side (kvref/attention,
 # kvref/worker) or the engine (kvref/sched, kvref/model_executor, ...) could
-# plausibly make; "kind" says which blind spot of the tests it probes (issue 24): most are invisible to models with regular weights, to
-# batches that never shrink, to runs that stay clear of max_model_len, or to a
-# component checked only against itself.
+# plausibly make; "kind" says which blind spot of the tests it probes (issue 24):
+# most are invisible to models with regular weights, to batches that never
+# shrink, to runs that stay clear of max_model_len, or to a component checked
+# only against itself.
 
 KINDS = {
     "weights": "invisible with regular weights (norms at one, biases at zero, tied heads)",
