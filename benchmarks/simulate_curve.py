@@ -22,7 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kvref.simulate.sweep import capacity_curve, plot_capacity_curve  # noqa: E402
+from kvref.simulate.sweep import (capacity_curve, is_whole_conversation_trace,  # noqa: E402
+                                  plot_capacity_curve)
 
 CAPACITIES = [2e5, 5e5, 1e6, 3e6, 1e7, 3e7, 5e7, 1e8]
 
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     plot_capacity_curve({label: curve}, str(args.out.with_suffix(".png")),
-                        title=f"Mooncake {args.trace} trace through kvref simulate")
+                        title=f"Mooncake {args.trace} trace through kvref simulate",
+                        paper_claims=is_whole_conversation_trace(args.trace, args.max_requests))
     print(f"wrote {args.out.with_suffix('.json')} and .png in {doc['wall_seconds']:.0f} s")
     return 0
 

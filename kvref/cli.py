@@ -219,7 +219,7 @@ def cmd_record(args, console: Console) -> int:
         raise UsageError(f"kvref record: cannot write {args.output}: {exc.strerror}") from None
     s = summarize(trace)
     console.print(f"wrote {args.output}: {s.num_ops} ops, {s.num_steps} steps, "
-                  f"{s.num_requests} requests, hit rate {s.hit_rate:.0%}")
+                  f"{_n(s.num_requests, 'request')}, hit rate {s.hit_rate:.0%}")
     return 0
 
 
@@ -245,19 +245,25 @@ def cmd_replay(args, console: Console) -> int:
     """Replay every file named or found; a file that cannot be replayed is
     reported and the others still run. Exit 2 if any file was bad input,
     else 1 if any trace diverged, else 0."""
-    from kvref.verify.trace_replay import find_traces, replay
-    from kvref.viz.player import TraceError, read_trace
+    from kvref.verify.trace_replay import TRACE_FORMAT, find_traces, replay
+    from kvref.viz.player import OTHER_FORMATS, OtherFormatError, TraceError, read_trace
 
     files = list(find_traces(args.paths))
     if not files:
         raise UsageError(f"kvref replay: no trace files under {' '.join(args.paths)}")
-    divergent, bad, ops = [], [], 0
+    divergent, bad, skipped, needs_torch, ops = [], [], {}, 0, 0
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("replaying", total=len(files))
         for path in files:
             try:
                 trace = read_trace(str(path))
                 result = replay(trace, not args.no_hashes, args.check_invariants)
+            except OtherFormatError as exc:
+                skipped[exc.trace_format] = skipped.get(exc.trace_format, 0) + 1
+            except ModuleNotFoundError as exc:
+                if not torch_is_missing(exc):
+                    raise
+                needs_torch += 1                  # prompt embeddings are built as tensors
             except TraceError as exc:
                 bad.append(str(exc))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -271,12 +277,26 @@ def cmd_replay(args, console: Console) -> int:
         console.print(f"[red]DIVERGENCE[/red] {path}: {divergence}", highlight=False)
     for reason in bad:
         print(f"error: {reason}", file=sys.stderr)
-    replayed = len(files) - len(bad)
-    line = (f"{_n(replayed, 'trace')} replayed, {ops} ops, "
+    replayed = len(files) - len(bad) - sum(skipped.values()) - needs_torch
+    line = (f"{_n(replayed, 'trace')} replayed, {_n(ops, 'op')}, "
             f"{_n(len(divergent), 'divergent trace')}")
     if bad:
         line += f"; {_n(len(bad), 'file')} could not be replayed (listed on stderr)"
     console.print(line, highlight=False)
+    for trace_format, count in sorted(skipped.items()):
+        # Another format is not bad input: its own tool replays it.
+        console.print(f"skipped {_n(count, 'file')} of format {trace_format} "
+                      f"(not {TRACE_FORMAT}; {OTHER_FORMATS[trace_format]})",
+                      highlight=False)
+    if needs_torch:
+        # One line, and not "bad input" unless nothing else could be replayed.
+        print(f"note: skipped {_n(needs_torch, 'trace')} with prompt embeddings, which "
+              f"{'needs' if needs_torch == 1 else 'need'} torch: {TORCH_INSTALL}",
+              file=sys.stderr)
+        if replayed == 0 and not bad:
+            return EXIT_BAD_INPUT
+    if replayed == 0 and not bad:
+        raise UsageError(f"kvref replay: no {TRACE_FORMAT} traces under {' '.join(args.paths)}")
     return EXIT_BAD_INPUT if bad else (1 if divergent else 0)
 
 
@@ -345,6 +365,14 @@ def _watch_report(watchers, queries, as_json: bool, console: Console) -> None:
     else:
         print(json.dumps({"data_parallel_size": len(watchers),
                           "ranks": [w.status() for w in watchers], "queries": answers}))
+
+TORCH_INSTALL = "python3 -m pip install -e '.[torch]'"
+
+
+def torch_is_missing(exc: ModuleNotFoundError) -> bool:
+    """Whether ``exc`` is torch (or one of its modules) not being installed."""
+    return exc.name == "torch" or (exc.name or "").startswith("torch.")
+
 
 def _n(count: int, word: str) -> str:
     return f"{count} {word if count == 1 else word + 's'}"
@@ -487,6 +515,13 @@ def main(argv: list[str] | None = None, prog: str = "kvref") -> int:
     except (UsageError, TraceError) as exc:
         # A trace found malformed midway (viz stepping into a bad op) is bad input too.
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ModuleNotFoundError as exc:
+        if not torch_is_missing(exc):
+            raise
+        # Only the tensor side needs torch; the base install leaves it out.
+        print(f"error: this needs torch, which kvref's base install leaves out: "
+              f"{TORCH_INSTALL}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

@@ -492,7 +492,9 @@ class Watcher:
         self.socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
         self.replay = None
+        self.replay_address = replay_address
         self.pending_replays = 0          # replay requests not answered to the end yet
+        self.replay_answers = 0           # messages the replay socket sent back
         try:
             if "[" in self.address:
                 self.socket.setsockopt(zmq.IPV6, 1)
@@ -585,6 +587,7 @@ class Watcher:
         try:
             while self.pending_replays and saved.poll(int(timeout_s * 1000)):
                 parts = saved.recv_multipart()
+                self.replay_answers += 1
                 if len(parts) != 3:
                     raise WatchError(f"replay socket: {len(parts)} frames, expected vLLM's "
                                      "[empty, seq, payload]")
@@ -609,6 +612,8 @@ class Watcher:
         return {"endpoint": self.address, "bound": self.binds, "batches": self.batches,
                 "first_seq": self.first_seq, "next_seq": self.next_seq,
                 "missed_batches": self.missed, "restarts": self.restarts,
+                "replay": None if self.replay_address is None else {
+                    "endpoint": self.replay_address, "answered": self.replay_answers > 0},
                 "events": dict(self.index.counts),
                 "sparse_stores": self.index.sparse_stores,
                 "data_parallel_ranks": sorted(r for r in self.ranks if r is not None),

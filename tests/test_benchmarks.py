@@ -170,3 +170,14 @@ def test_the_engines_take_turns_to_go_first():
     assert orders[3] == orders[0]
     assert all(sorted(o) == sorted(engine.ENGINES) for o in orders)
     assert {o[0] for o in orders[:3]} == set(engine.ENGINES)
+
+
+def test_startup_times_every_command_and_its_floors(tmp_path):
+    out = tmp_path / "startup.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--repeats",
+                           "1", "--no-torch", "--json", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    seconds = json.loads(out.read_text())["seconds"]
+    assert {"kvref --version", "kvref --help", "python -c pass (floor)"} <= set(seconds)
+    assert all(len(samples) == 1 for samples in seconds.values())

@@ -78,12 +78,19 @@ def test_every_cheap_form_is_for_a_printed_command():
     assert not stale, f"CHEAP entries for commands no page prints any more: {stale}"
 
 
-def test_ci_runs_the_readme_test_command():
-    """.ci/run stays the README's test command."""
+def test_ci_runs_both_readme_set_up_commands():
+    """.ci/run reads the README's two set-up commands from the README and runs them:
+    the first in a bare venv (nothing installed before it: no torch), the second last."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    command = "python3 -m pip install -e '.[test]' && python3 -m pytest"
-    assert command in ci and command in readme
+    reader = ci.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    done = subprocess.run([sys.executable, "-c", reader], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["python3 -m pip install -e . && kvref demo",
+                                        "python3 -m pip install -e '.[test]' && python3 -m pytest"]
+    bare = ci.index('bash -euo pipefail -c "${README_COMMANDS[0]}"')
+    assert ci.rindex('python3 -m venv "$BARE"', 0, bare) < bare < ci.index("pip install -q torch")
+    assert ci.rstrip().endswith('bash -euo pipefail -c "${README_COMMANDS[1]}"')
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])

@@ -304,6 +304,10 @@ def _workload(args, console) -> int:
     return 0
 
 
+# How an error names the kind of value a sweep axis takes.
+KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
 def _parse_axes(specs: list[str]) -> dict[str, list]:
     from kvref.simulate.sweep import SWEEPABLE
 
@@ -328,7 +332,8 @@ def _parse_axes(specs: list[str]) -> dict[str, list]:
                 else:
                     parsed.append(v)
             except ValueError:
-                raise ValueError(f"--sweep {name}: {v!r} is not a {kind.__name__}") from None
+                raise ValueError(f"--sweep {name}: {v!r} is not "
+                                 f"{KIND_WORDS.get(kind, 'a ' + kind.__name__)}") from None
         axes[key] = parsed
     return axes
 
@@ -337,7 +342,8 @@ def _sweep(args, console) -> int:
     """``--sweep``: the points on processes or Ray, one line each, or JSON."""
     from rich.table import Table
 
-    from kvref.simulate.sweep import expand_grid, plot_capacity_curve, run_sweep
+    from kvref.simulate.sweep import (expand_grid, is_whole_conversation_trace,
+                                      plot_capacity_curve, run_sweep)
 
     if args.model is not None or args.num_gpu_blocks_override is not None:
         raise ValueError("--sweep sizes pools by --kv-cache-tokens (sweep it, or give one "
@@ -362,27 +368,37 @@ def _sweep(args, console) -> int:
     if args.plot:
         if "kv_cache_tokens" not in points[0]:
             raise ValueError("--plot draws a capacity curve: sweep kv-cache-tokens")
-        plot_capacity_curve({str(args.trace): results}, args.plot)
+        plot_capacity_curve({str(args.trace): results}, args.plot,
+                            paper_claims=is_whole_conversation_trace(str(args.trace),
+                                                                     args.max_requests))
     if args.json:
         json.dump(results, sys.stdout, default=str)
         sys.stdout.write("\n")
         return 0
     table = Table(title=f"{args.trace}: {len(points)} points")
     names = list(points[0])
-    for name in names:
-        table.add_column(name.replace("_", "-"), justify="right")
-    for col in ("hit ratio once", "vLLM hit rate", "computed", "preemptions", "run s"):
-        table.add_column(col, justify="right")
+    # The single run's words and units: "served once from the cache", "vLLM's hit rate".
+    # Headers broken into short lines by hand: at 80 columns rich would cut
+    # "block-size" to "block-si…" rather than wrap it.
+    headers = [name.replace("_", "-\n") for name in names] + [
+        "served\nonce", "vLLM's\nhit rate", "computed", "preemp-\ntions", "run s"]
+    for header in headers:
+        table.add_column(header, justify="right")
+    errors = []
     for r in results:
         cells = [_cell(r["point"][n]) for n in names]
         if "error" in r:
-            table.add_row(*cells, r["error"][:60], "", "", "", "")
+            point = " ".join(f"{n}={r['point'][n]}" for n in names)
+            errors.append(f"{point}: {r['error']}")
+            table.add_row(*cells, f"error {len(errors)}", "", "", "", "")
         else:
-            table.add_row(*cells, f"{r['hit_ratio_once']:.3f}",
-                          f"{r['prefix_cache_hit_rate']:.3f}",
+            table.add_row(*cells, f"{r['hit_ratio_once']:.1%}",
+                          f"{r['prefix_cache_hit_rate']:.1%}",
                           f"{r['prompt_tokens_computed']:,}", f"{r['num_preemptions']:,}",
                           f"{r['wall_seconds']:.1f}")
     console.print(table)
+    for i, error in enumerate(errors, 1):
+        console.print(f"error {i}: {error}", highlight=False)
     if args.plot:
         console.print(f"wrote {args.plot}")
     return 0

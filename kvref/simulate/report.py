@@ -52,7 +52,7 @@ def _pct(values, q: float) -> float:
 def render_report(result: SimulationResult, trace: str = "trace") -> Group:
     r = result
     head = Table.grid(padding=(0, 2))
-    head.add_row("trace", f"{trace}: {r.num_requests:,} requests"
+    head.add_row("trace", f"{trace}: {r.num_requests:,} request{'' if r.num_requests == 1 else 's'}"
                  + (f" ({r.num_rejected} rejected: prompt >= max_model_len)"
                     if r.num_rejected else "")
                  + f", {r.prompt_tokens:,} prompt tokens, {r.output_tokens:,} generated")
@@ -74,8 +74,8 @@ def render_report(result: SimulationResult, trace: str = "trace") -> Group:
                      f"{r.host_blocks_loaded:,} loaded)")
 
     causes = Table(title="prompt tokens computed, by cause", title_justify="left")
-    causes.add_column("cause")
-    causes.add_column("tokens", justify="right")
+    causes.add_column("cause", no_wrap=True)          # a name: never cut (the meaning wraps)
+    causes.add_column("tokens", justify="right", no_wrap=True)
     causes.add_column("share", justify="right")
     causes.add_column("meaning")
     total = r.prompt_tokens_computed or 1

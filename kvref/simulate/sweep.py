@@ -22,8 +22,8 @@ from pathlib import Path
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-__all__ = ["SWEEPABLE", "capacity_curve", "expand_grid", "plot_capacity_curve", "run_point",
-           "run_sweep"]
+__all__ = ["SWEEPABLE", "capacity_curve", "expand_grid", "is_whole_conversation_trace",
+           "plot_capacity_curve", "run_point", "run_sweep"]
 
 # Settings a point may set: simulate()'s keywords, and the pool's.
 SWEEPABLE = {"kv_cache_tokens": float, "block_size": int, "max_num_batched_tokens": int,
@@ -141,10 +141,18 @@ def capacity_curve(trace: str, capacities: Sequence[float], *, block_size: int =
                      ray_address=ray_address, on_done=on_done)
 
 
+def is_whole_conversation_trace(trace: str, max_requests: int | None, skip: int = 0) -> bool:
+    """Whether a run is the whole vendored Mooncake conversation trace: the only
+    traffic the Mooncake paper's capacity claims are about."""
+    return trace == "conversation" and max_requests is None and not skip
+
+
 def plot_capacity_curve(curves: dict[str, list[dict]], path: str,
-                        paper_claims: bool = True, title: str | None = None) -> None:
+                        paper_claims: bool = False, title: str | None = None) -> None:
     """Draw ``{label: capacity_curve(...)}`` as hit ratio against capacity (log axis),
-    each with its maximum (the ``inf`` point) dashed, to a PNG at ``path``."""
+    each with its maximum (the ``inf`` point) dashed, to a PNG at ``path``.
+    ``paper_claims`` marks the Mooncake paper's two capacities: give it only for the
+    whole conversation trace (``is_whole_conversation_trace``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -164,8 +172,10 @@ def plot_capacity_curve(curves: dict[str, list[dict]], path: str,
     if paper_claims:
         ax.axvline(3e6, color="grey", ls=":", lw=1)
         ax.axvline(5e7, color="grey", ls=":", lw=1)
-        ax.text(3e6, 1, " 3 M: paper says\n < half the max", fontsize=7, color="grey")
-        ax.text(5e7, 1, " 50 M: paper says\n nearly the max", fontsize=7, color="grey")
+        # Each label sits left of its line, inside the axes (right of 50 M it was cut).
+        for x, words in ((3e6, "3 M tokens, < half"), (5e7, "50 M tokens, nearly")):
+            ax.annotate(f"Mooncake paper:\n{words}\nthe maximum", xy=(x, 1), xytext=(-4, 0),
+                        textcoords="offset points", fontsize=7, color="grey", ha="right")
     ax.set_xscale("log")
     ax.set_xlabel("KV cache capacity (tokens)")
     ax.set_ylabel("prompt tokens served from the cache (%)")

@@ -33,6 +33,7 @@ from kvref.viz.details import block_details, request_details
 from kvref.viz.interactive import Stepper
 from kvref.viz.panels import (
     frame_title,
+    op_words,
     render_events,
     render_stats,
     render_step_ops,
@@ -94,6 +95,9 @@ class KVViewer(App):
     """Step through a ``TracePlayer``; everything shown is read from its manager."""
 
     TITLE = "kvref viz"
+    # The footer fits 80 columns: the keys back (p, ","), the palette and the rest
+    # are in the ? help.
+    ENABLE_COMMAND_PALETTE = False
     AUTO_FOCUS = None       # keys go to the viewer, not to the (hidden) prompt
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE, "-wide")]
     CSS = """
@@ -122,9 +126,9 @@ class KVViewer(App):
 
     BINDINGS = [
         Binding("n,right", "step(1)", "next step"),
-        Binding("p,left", "step(-1)", "prev step"),
+        Binding("p,left", "step(-1)", "prev step", show=False),
         Binding("full_stop", "op(1)", "next op", key_display="."),
-        Binding("comma", "op(-1)", "prev op", key_display=","),
+        Binding("comma", "op(-1)", "prev op", key_display=",", show=False),
         Binding("g", "ask('step')", "step N"),
         Binding("o", "ask('op')", "op N"),
         Binding("slash", "ask('request')", "request", key_display="/"),
@@ -135,7 +139,7 @@ class KVViewer(App):
         Binding("escape", "clear", "clear", show=False),
         Binding("pagedown,space", "scroll_panels(1)", "scroll", show=False),
         Binding("pageup", "scroll_panels(-1)", "scroll up", show=False),
-        Binding("v", "toggle_bookkeeping", "bookkeeping"),
+        Binding("v", "toggle_bookkeeping", "all ops"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
     ]
@@ -180,8 +184,9 @@ class KVViewer(App):
 
     def header_text(self) -> str:
         p = self.player
-        op = p.ops[p.position - 1]["op"] if p.position else "-"
-        text = f"{frame_title(p)} ({op})"
+        text = frame_title(p)
+        if p.position:
+            text += f": {op_words(p.ops[p.position - 1])}"
         if self.stepper.verbose:
             text += " · all ops"
         return text + (f" · {self.message}" if self.message else "") + " · ? help"

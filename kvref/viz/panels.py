@@ -55,6 +55,30 @@ def _tokens_asked(op: dict) -> str:
     return " + ".join(parts)
 
 
+# What the viewer's header says the last op run was, in a reader's words.
+OP_WORDS = {
+    "add_request": "{req} arrives", "get_computed_blocks": "{req} looks up the prefix cache",
+    "allocate_slots": "{req} asks for slots", "free": "{req}'s blocks are freed",
+    "take_events": "KV events are taken", "reset_prefix_cache": "the prefix cache is reset",
+    "evict_blocks": "blocks are evicted", "new_step_starts": "a new step begins",
+    "make_prefix_cache_stats": "the hit counters are read",
+    "append_output_token_ids": "{req} samples tokens",
+    "cache_blocks": "{req}'s full blocks are cached",
+    "remove_skipped_blocks": "{req} drops blocks it no longer needs",
+    "get_num_common_prefix_blocks": "the shared leading blocks are counted",
+    "usage": "the pool's usage is read",
+}
+
+
+def op_words(op: dict) -> str:
+    """``{"op": "add_request", "req": "c0"}`` -> ``"c0 arrives"``; a call with no words
+    of its own is scheduler bookkeeping."""
+    words = OP_WORDS.get(op["op"])
+    if words is None:
+        return f"{op['req']}: scheduler bookkeeping" if op.get("req") else "scheduler bookkeeping"
+    return words.format(req=op.get("req") or "a request")
+
+
 def describe_op(facts: OpFacts) -> str:
     """One op and what it did, in words."""
     op, obs = facts.op, facts.observed

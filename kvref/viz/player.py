@@ -38,6 +38,23 @@ class TraceError(ValueError):
     """The trace file cannot be used: missing, unreadable, not kvtrace/1, malformed."""
 
 
+# The project's other trace formats, and what replays each: ``kvref replay`` meets
+# them beside kvtrace/1 files (tests/conformance holds both) and skips them with a note.
+# Any other format is bad input.
+OTHER_FORMATS = {
+    "blockpooltrace/1": "tests/conformance/test_block_pool_traces.py replays them",
+    "kvref-vllm-scheduler-trace/1": "python3 -m kvref.verify.scheduler_replay replays them",
+}
+
+
+class OtherFormatError(TraceError):
+    """The file is one of the project's other trace formats (``OTHER_FORMATS``)."""
+
+    def __init__(self, message: str, trace_format: str) -> None:
+        super().__init__(message)
+        self.trace_format = trace_format
+
+
 def read_trace(path: str) -> dict:
     """Load and sanity-check a trace file; ``TraceError`` with a one-line reason."""
     try:
@@ -62,6 +79,9 @@ def check_trace_shape(trace: dict, where: str = 'trace') -> None:
     if not isinstance(trace, dict):
         raise TraceError(f"{where}: a kvtrace/1 trace is a JSON object, "
                          f"found a {type(trace).__name__}")
+    if trace.get("format") in OTHER_FORMATS:
+        raise OtherFormatError(f"{where}: not a {TRACE_FORMAT} trace "
+                               f"(format={trace['format']!r})", trace["format"])
     if trace.get("format") != TRACE_FORMAT:
         raise TraceError(f"{where}: not a {TRACE_FORMAT} trace "
                          f"(format={trace.get('format')!r})")

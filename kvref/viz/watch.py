@@ -107,9 +107,12 @@ def render_watch(watchers: Watcher | list[Watcher], queries: list[Query]) -> Gro
 
 def status_lines(status: dict, prefix: str = "") -> list[Text]:
     """Where one watcher listens, what arrived, and what it may have missed."""
-    verb = "bound at" if status["bound"] else "connected to"
+    # A SUB socket "connects" whether or not a server is there: until a first batch
+    # arrives, the watcher is only listening.
+    verb = "bound at" if status["bound"] else ("connected to" if status["batches"]
+                                               else "listening to")
     head = Text.assemble(("kvref watch ", "bold"), f"{prefix}{verb} {status['endpoint']}: ",
-                         (f"{status['batches']} batches", "bold"))
+                         (plural(status['batches'], 'batch', 'batches'), "bold"))
     if status["batches"]:
         counts = status["events"]
         head.append(f" (seq {status['first_seq']}..{status['next_seq'] - 1}); "
@@ -119,11 +122,17 @@ def status_lines(status: dict, prefix: str = "") -> list[Text]:
     else:
         head.append(" (waiting for vLLM's first KV events)", style="dim")
     lines = [head]
+    replay = status.get("replay")
+    if replay is not None and not replay["answered"]:
+        lines.append(Text(f"{prefix}the replay socket {replay['endpoint']} has not answered: "
+                          "is the server up, and is that its replay_endpoint?",
+                          style="yellow"))
     if status["restarts"]:
         lines.append(Text(f"{prefix}the server restarted {status['restarts']} time(s) (its "
                           "sequence began again at 0): the index starts over", style="yellow"))
     if status["missed_batches"]:
-        lines.append(Text(f"{prefix}{status['missed_batches']} batches were never received "
+        lines.append(Text(f"{prefix}{plural(status['missed_batches'], 'batch', 'batches')} "
+                          "were never received "
                           "(joined late or dropped): blocks they stored are not in the index; "
                           "--replay ENDPOINT fetches them from vLLM", style="yellow"))
     return lines

@@ -222,6 +222,33 @@ def test_replay_of_a_folder_reports_every_file_and_goes_on(tmp_path, recorded):
         "replayed (listed on stderr)")
 
 
+def test_replay_of_a_folder_skips_the_projects_other_formats_with_a_note(tmp_path, recorded):
+    """tests/conformance holds blockpooltrace/1 files beside kvtrace/1 ones: replaying
+    the folder skips them, says what replays them, and exits 0 when nothing diverged."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "good.json").write_bytes(recorded.read_bytes())
+    for i in range(2):
+        (folder / f"pool-{i}.json").write_text(json.dumps({"format": "blockpooltrace/1",
+                                                           "vllm": "0.25.1", "ops": []}))
+    result = kvref("replay", folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = " ".join(result.stdout.split())
+    assert "1 trace replayed" in out and "0 divergent traces" in out
+    assert ("skipped 2 files of format blockpooltrace/1 (not kvtrace/1; "
+            "tests/conformance/test_block_pool_traces.py replays them)") in out
+    assert result.stderr == ""
+    alone = kvref("replay", folder / "pool-0.json")          # nothing to replay: bad input
+    assert alone.returncode == 2 and "no kvtrace/1 traces under" in alone.stderr
+
+
+def test_replay_of_the_conformance_folder_exits_0():
+    """The folder a reader finds first holds three formats; none is an error."""
+    result = kvref("replay", ROOT / "tests" / "conformance")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    assert "0 divergent traces" in " ".join(result.stdout.split())
+
+
 def _diverging_copy(recorded, tmp_path):
     trace = json.loads(recorded.read_text())
     i = next(i for i, op in enumerate(trace["ops"]) if op["op"] == "allocate_slots"

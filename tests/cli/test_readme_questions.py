@@ -11,20 +11,21 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "pictures.md"
 
 # command on the page -> what its answer must say (whitespace-insensitive)
 ANSWERS = {
-    "kvref viz mt.json --step 20": ["in use 0 (cached 0) evictable cached 24"],
-    "kvref explain mt.json --op 233": ["0 of 29 tokens hit", "token 2 differs (block 0)"],
-    "kvref explain mt.json --op 60": ["20 of 29 tokens hit"],
-    "kvref explain p.json --op 204": ["evicts cached", "Freed cached blocks join the tail"],
-    "kvref explain p.json --op 143": ["REFUSED by the full-sequence gate",
-                                      "needs 7 blocks + 1 watermark = 8, 6 are free: "
-                                      "short by 2"],
+    "kvref viz build/mt.json --step 20": ["in use 0 (cached 0) evictable cached 24"],
+    "kvref explain build/mt.json --op 233": ["0 of 29 tokens hit", "token 2 differs (block 0)"],
+    "kvref explain build/mt.json --op 60": ["20 of 29 tokens hit"],
+    "kvref explain build/p.json --op 204": ["evicts cached", "Freed cached blocks join the tail"],
+    "kvref explain build/p.json --op 143": ["REFUSED by the full-sequence gate",
+                                            "needs 7 blocks + 1 watermark = 8, 6 are free: "
+                                            "short by 2"],
 }
 
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     where = tmp_path_factory.mktemp("questions")
-    for workload, name in (("multi-turn", "mt.json"), ("pressure", "p.json")):
+    (where / "build").mkdir()                       # the page writes under build/
+    for workload, name in (("multi-turn", "build/mt.json"), ("pressure", "build/p.json")):
         assert kvref("record", "--workload", workload, "-o", where / name).returncode == 0
     return where
 

@@ -148,3 +148,14 @@ def test_kvrefs_own_workloads_run_on_their_own_pools(capsys):
     assert code == 2 and "needs a remote-prefill KV connector" in err
     code, out, err = run(capsys, "simulate")
     assert code == 2 and "give a TRACE or --workload W" in err
+
+
+def test_at_80_columns_no_cause_name_is_cut(monkeypatch, capsys):
+    """The causes table keeps every cause's name whole (the meaning wraps instead)."""
+    from kvref.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["simulate", "--workload", "multi-turn"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80
+    assert "shared_prefix_ends_inside_block" in out

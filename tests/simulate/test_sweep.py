@@ -79,7 +79,7 @@ def test_the_sweep_flag(chat_trace, tmp_path, capsys):
     assert code == 2 and "expected NAME=V1,V2" in err and err.count("\n") == 1
     code = main(["simulate", chat_trace, "--sweep", "block-size=big"])
     out, err = capsys.readouterr()
-    assert code == 2 and "'big' is not a int" in err
+    assert code == 2 and "'big' is not an integer" in err
 
 
 def test_a_sweep_on_a_local_ray_instance(chat_trace):
@@ -111,3 +111,40 @@ def test_without_ray_the_address_is_one_clear_line(chat_trace, capsys, monkeypat
                  "--ray-address", "auto"])
     out, err = capsys.readouterr()
     assert code == 2 and "needs Ray: pip install 'kvref[ray]'" in err
+
+
+def test_the_sweep_table_fits_80_columns_in_the_single_runs_units(chat_trace, monkeypatch,
+                                                                 capsys):
+    """The sweep names and prints its hit rates as a single run does (a percentage
+    with one decimal), cuts no header at 80 columns, and lists a point's error below
+    the table in full."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code = main(["simulate", chat_trace, "--sweep", "kv-cache-tokens=50,inf",
+                 "--sweep", "block-size=16,32", "--sweep", "max-num-seqs=8,16",
+                 "--workers", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80
+    hit = 36 * 64 / (40 * 94)
+    assert f"{hit:.1%}" in out and f"{hit:.3f}" not in out
+    assert "served" in out and "vLLM's" in out and "preemp-" in out
+    assert "error 1: kv_cache_tokens=50.0 block_size=16 max_num_seqs=8: the KV cache" in out
+
+
+def test_the_papers_claims_are_drawn_only_for_the_whole_conversation_trace(chat_trace,
+                                                                          tmp_path,
+                                                                          monkeypatch):
+    """The Mooncake paper's two capacities are about its whole conversation trace; on
+    any other trace, or a slice of that one, --plot leaves them out."""
+    from kvref.simulate import sweep
+
+    assert sweep.is_whole_conversation_trace("conversation", None)
+    assert not sweep.is_whole_conversation_trace("conversation", 200)
+    assert not sweep.is_whole_conversation_trace("conversation", None, skip=10)
+    assert not sweep.is_whole_conversation_trace("synthetic", None)
+    drawn = []
+    monkeypatch.setattr(sweep, "plot_capacity_curve",
+                        lambda curves, path, **kw: drawn.append(kw.get("paper_claims")))
+    assert main(["simulate", chat_trace, "--sweep", "kv-cache-tokens=300,inf", "--workers",
+                 "1", "--plot", str(tmp_path / "c.png"), "--json"]) == 0
+    assert drawn == [False]

@@ -87,6 +87,27 @@ def test_at_80x24_every_step_of_multi_turn_shows_its_header_narration_and_pool(m
     drive(multi_turn, (80, 24), script)
 
 
+def test_at_80x24_the_header_says_the_last_op_in_words_and_the_footer_fits(multi_turn):
+    """The header names the op just run in a reader's words (no internal call names
+    such as make_prefix_cache_stats), and the footer's keys fit 80 columns."""
+    internal = {op["op"] for op in multi_turn["ops"] if "_" in op["op"]}   # not "free"
+    headers = []
+
+    async def script(app, pilot):
+        for key in ["n", "full_stop", "full_stop", "full_stop", "v", "full_stop", "n", "n"]:
+            await pilot.press(key)
+            await pilot.pause()
+            header = top(app)
+            headers.append(header)
+            assert not any(name in header for name in internal), header
+            footer = screen_lines(app)[-1]
+            assert footer.rstrip().endswith("q quit") and "palette" not in footer, footer
+
+    drive(multi_turn, (80, 24), script)
+    assert any("a new step begins" in h for h in headers), headers
+    assert any("asks for slots" in h for h in headers), headers
+
+
 def test_the_grid_uses_the_width():
     """More cells per row on a wider terminal (the pool is the same)."""
     trace = read_trace(TRACES / "kvref-multi-turn.json.gz")

@@ -198,6 +198,33 @@ def finish(process, timeout=120):
     return process.returncode, out, err
 
 
+def test_with_no_server_it_says_listening_and_that_the_replay_socket_is_silent():
+    """A SUB socket connects whether or not a server is there, so until a batch
+    arrives the picture says "listening to", not "connected to"; a replay socket
+    that never answered is named, with what to check."""
+    port, replay_port = free_port(), free_port()
+    process = kvref("watch", f"tcp://*:{port}", "--replay", f"tcp://*:{replay_port}",
+                    "--duration", 0.5)          # vLLM would bind both: the watcher connects
+    code, out, err = finish(process)
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert f"listening to tcp://127.0.0.1:{port}: 0 batches" in flat
+    assert "connected to" not in flat
+    assert (f"the replay socket tcp://127.0.0.1:{replay_port} has not answered: is the server "
+            "up, and is that its replay_endpoint?") in flat
+
+
+def test_one_batch_is_one_batch_not_one_batches():
+    port = free_port()
+    process = kvref("watch", f"tcp://127.0.0.1:{port}", "--batches", 1, "--duration", 60)
+    pub = sender(f"tcp://127.0.0.1:{port}")
+    pub.send_multipart(frames_of("full")[0])
+    code, out, err = finish(process)
+    pub.close(0)
+    assert code == 0, err
+    assert f"bound at tcp://127.0.0.1:{port}: 1 batch " in out
+
+
 def test_the_command_answers_queries_from_vllms_events(tmp_path):
     recorded = RECORDED["workloads"]["full"]
     final = recorded["checkpoints"][-1]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RequestBlockTracker", "extend_content_keys", "gather_blocks", "scatter_blocks",
            "yield_req_data"]
@@ -76,6 +78,8 @@ def gather_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]
 
     ``kv_caches[l]``: layer ``l``'s ``[num_blocks_in_pool, 2, block_size, H, D]``.
     """
+    import torch
+
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0].device)
     return torch.stack([cache.index_select(0, index) for cache in kv_caches], dim=1)
 
@@ -87,6 +91,8 @@ def scatter_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     if tuple(blocks.shape) != expected:
         raise ValueError(f"blocks of shape {tuple(blocks.shape)} do not fit {len(block_ids)} "
                          f"blocks of this pool: expected {expected}")
+    import torch
+
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
         cache.index_copy_(0, index, blocks[:, layer].to(cache.device, cache.dtype))

@@ -76,9 +76,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvref.core.kv_cache_coordinator import get_kv_cache_coordinator
 from kvref.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -89,6 +87,11 @@ from kvref.distributed.kv_transfer.kv_connector.v1.base import (
 from kvref.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, MambaSpec,
                                       SlidingWindowSpec)
 from kvref.math_utils import cdiv
+
+# The scheduler half needs no torch (vLLM keeps it in simple_kv_offload/manager.py,
+# which imports none); the worker half imports it where it touches tensors.
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SimpleCPUOffloadConnector", "SimpleCPUOffloadMetadata",
            "SimpleCPUOffloadWorkerMetadata"]
@@ -531,6 +534,10 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
+        if not kv_caches:            # the simulator's worker: no tensors, so no torch
+            return
+        import torch
+
         self.cpu_kv = {name: torch.zeros((self.num_cpu_blocks, *t.shape[1:]), dtype=t.dtype,
                                          device="cpu", pin_memory=t.is_cuda)
                        for name, t in kv_caches.items()}
@@ -560,6 +567,18 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return 1
 
     def _copy(self, kind: str, src: list[int], dst: list[int]) -> None:
+        if self.kv_caches:           # the simulator registers none: nothing to copy, no torch
+            self._copy_tensors(kind, src, dst)
+        if kind == "store":
+            self.stats.num_saved_blocks += len(src)
+            self.stats.bytes_saved += len(src) * self._block_bytes
+        else:
+            self.stats.num_loaded_blocks += len(src)
+            self.stats.bytes_loaded += len(src) * self._block_bytes
+
+    def _copy_tensors(self, kind: str, src: list[int], dst: list[int]) -> None:
+        import torch
+
         index = torch.tensor
         for name, gpu in self.kv_caches.items():
             cpu = self.cpu_kv[name]
@@ -569,12 +588,6 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 gpu[index(dst, dtype=torch.long, device=gpu.device)] = cpu.index_select(
                     0, index(src, dtype=torch.long)).to(gpu.device)
-        if kind == "store":
-            self.stats.num_saved_blocks += len(src)
-            self.stats.bytes_saved += len(src) * self._block_bytes
-        else:
-            self.stats.num_loaded_blocks += len(src)
-            self.stats.bytes_loaded += len(src) * self._block_bytes
 
     def _poll(self, kind: str) -> int:
         launched = self._launched[kind]
