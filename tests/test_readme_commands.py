@@ -93,8 +93,26 @@ def test_ci_runs_both_readme_set_up_commands():
     assert ci.rstrip().endswith('bash -euo pipefail -c "${README_COMMANDS[1]}"')
 
 
+def files_under(where: Path) -> set[str]:
+    """Every file below ``where``, relative, leaving out caches the tools write."""
+    skip = {"__pycache__", ".hypothesis", ".pytest_cache"}
+    return {str(path.relative_to(where)) for path in where.rglob("*")
+            if path.is_file() and not skip & set(path.relative_to(where).parts)}
+
+
+def not_ignored(paths: set[str]) -> list[str]:
+    """The paths of ``paths`` that this repository's .gitignore does not ignore."""
+    if not paths:
+        return []
+    done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT,
+                          input="\n".join(sorted(paths)), capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr              # 1: none ignored
+    return sorted(paths - set(done.stdout.splitlines()))
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_readme_block_runs(block, clone):
+    before = files_under(clone)
     result = run_block(block, clone)
     assert result.returncode == 0, (
         f"{block.id}: a README command failed (exit {result.returncode})\n"
@@ -105,6 +123,10 @@ def test_readme_block_runs(block, clone):
             if part.strip() in rc.CHEAP:
                 print(f"{block.id}: ran the cheap form of {part.strip()!r}: "
                       f"{rc.CHEAP[part.strip()][1]}")
+    # What a page's commands write goes under build/ (ignored), so that a reader's
+    # clone stays clean: no trace, page or picture left in the repository.
+    litter = not_ignored(files_under(clone) - before)
+    assert not litter, f"{block.id}: its commands left untracked files: {litter}"
 
 
 def test_a_broken_readme_command_fails(clone, tmp_path):
