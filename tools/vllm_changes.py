@@ -193,13 +193,17 @@ CHANGES.append(
     Change("partial_tail_cache_entry",
            "a full-attention group whose block is larger than the hash block also caches "
            "the prompt's last hash boundary inside a block: an extra `BlockStored` "
-           "(one hash, `block_size` = the hash block size) and an entry a later request "
-           "can hit part of (copy-on-write)",
+           "(one hash, `block_size` = the hash block size). A later request can hit inside "
+           "that block only with fine-grained partial hash hits, which 0.33.0 turns on only "
+           "beside a Mamba `align` group whose block is larger than the hash block "
+           "(`kv_cache_utils.py:762-801`, `kv_cache_coordinator.py:694-718`, "
+           "`single_type_kv_cache_manager.py:775-826`); in the traces where the change "
+           "shows, none has such a group, so the entry only adds the event",
            [SRC + "single_type_kv_cache_manager.py:840-896", SRC + "block_pool.py:486"],
            "so that a resend can hit the prompt up to its last hash boundary, not only up "
            "to its last whole block: \"only the final prompt hash boundary is registered as a "
-           "partial prefix-cache entry\" (:864-868); the hit then copies the block "
-           "(copy-on-write, :389-398)",
+           "partial prefix-cache entry\" (:864-868); where fine-grained hits are on, such "
+           "a hit then copies the block (copy-on-write, :389-398)",
            "`FullAttentionManager._cache_partial_tail_block` does nothing",
            patches=[(SINGLE, "FullAttentionManager._cache_partial_tail_block",
                      lambda original: lambda self, request, num_tokens: None)]))
@@ -384,8 +388,9 @@ RESIDUALS = [
 ]
 
 NEW_MECHANISMS = [
-    ("partial hash hits with copy-on-write: a hit may end inside a cache block; the "
-     "shared tail block is copied before the request writes to it",
+    ("partial hash hits with copy-on-write: with a Mamba `align` group whose block is "
+     "larger than the hash block, a hit may end inside a cache block; the shared tail "
+     "block is copied before the request writes to it",
      [SRC + "single_type_kv_cache_manager.py:389-398", SRC + "single_type_kv_cache_manager.py:455"]),
     ("Mamba prefill checkpoints: extra state blocks saved during a long prefill",
      ["vllm/v1/kv_cache_interface.py:1101-1102"]),

@@ -190,9 +190,13 @@ claim(timeline[1] == (15, True, 0),
 claim(timeline[2][1:] == (False, 3), "step 2: the worker reported the copy done: three hits")
 
 # %% [markdown]
-# So a request that finishes in the step that fills its last block never
-# stores that block: by the next plan it is gone. A 12-token prompt (three
-# full blocks) asking for one token is computed and finished in one step:
+# So a request that finishes in the step that fills its last block does not
+# store that block itself: by the next plan it is gone. vLLM's words are that
+# the block "may be missed" (`vllm/v1/simple_kv_offload/manager.py:544-547`):
+# the block stays cached on the device, so a later request whose prefix hits
+# it stores it with its own confirmed blocks, and lazy mode stores it when it
+# nears eviction. A 12-token prompt (three full blocks) asking for one token is
+# computed and finished in one step, and at first nothing comes after it:
 
 # %%
 short = LLM(model, kv_transfer_config=tier_config(), **OPTIONS)
@@ -201,6 +205,20 @@ short_tier = short.scheduler.connector
 claim(len(short_tier.cpu_block_pool.cached_block_hash_to_block) == 0
       and short.model_runner.kv_connector.stats.num_saved_blocks == 0,
       "a one-step request leaves nothing on the host")
+
+# %% [markdown]
+# The blocks were missed, not lost: they are still cached on the device. The
+# same prompt again, now asking for three tokens, hits the first two there (a
+# hit stops short of the prompt's last token, so the third block is computed
+# again), and its plans store its confirmed blocks: the two it hit among them.
+
+# %%
+short.generate([conversations[1]], SamplingParams(max_tokens=3))
+show(f"hit on the device: {short.stats.prompt_tokens_cached} tokens; on the host now: "
+     f"{len(short_tier.cpu_block_pool.cached_block_hash_to_block)} blocks")
+claim(short.stats.prompt_tokens_cached == 8
+      and len(short_tier.cpu_block_pool.cached_block_hash_to_block) == 3,
+      "a later request that hits the device blocks stores them on the host")
 
 # %% [markdown]
 # vLLM has a second mode, `lazy_offload`: nothing is stored when computed;

@@ -251,10 +251,14 @@ claim(mine + 2 * block_size > request.num_tokens - 1,
 #
 # When a full-attention group's block is larger than the hash block, 0.33.0
 # also caches the prompt's last hash boundary *inside* a block
-# (`single_type_kv_cache_manager.py:840-896`, `block_pool.py:486`): a resend
-# may hit part of the block and copy it before writing (copy-on-write). It
-# shows as one more `BlockStored`, with one hash and `block_size` equal to the
-# hash block size.
+# (`single_type_kv_cache_manager.py:840-896`, `block_pool.py:486`). A resend
+# can hit part of that block (and copy it before writing, copy-on-write) only
+# where 0.33.0 turns on fine-grained partial hash hits: beside a Mamba `align`
+# group whose block is larger than the hash block
+# (`kv_cache_utils.py:762-801`, `kv_cache_coordinator.py:694-718`). The traces
+# where the change shows (`hybrid_diff_block_sizes`) have no Mamba group, so
+# there it is only one more `BlockStored`, with one hash and `block_size` equal
+# to the hash block size.
 
 # %%
 section("7. Partial-tail entries")

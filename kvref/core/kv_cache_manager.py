@@ -100,9 +100,11 @@ class KVCacheManager:
         enable_kv_cache_events: queue cache events for ``take_events``.
         watermark: fraction of the pool kept free when admitting waiting or
             preempted requests, so new admissions do not force preemptions.
-        retention_interval: the prefix-cache retention interval
-            (``kvref.core.kv_cache_coordinator``); ``"env"`` reads
-            ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` as vLLM does, ``None`` is unset.
+        retention_interval: kvref's own argument (vLLM's manager has none): the
+            prefix-cache retention interval (``kvref.core.kv_cache_coordinator``).
+            vLLM's coordinator reads it from ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``
+            (``vllm/v1/core/kv_cache_coordinator.py:125``); the default ``"env"`` does
+            the same, an int or ``None`` (unset) overrides it, for tests.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_model_len: int,

@@ -207,6 +207,17 @@ def hybrid_tier(num_gpu_blocks: int = 24, num_cpu_blocks: int = 16):
     return manager, tier
 
 
+def scheduled_again(req, num_tokens, new_block_ids):
+    """A later step's output for a request already running: only its new blocks."""
+    from types import SimpleNamespace
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[req.request_id], resumed_req_ids=set(),
+                                              new_block_ids=[new_block_ids],
+                                              num_computed_tokens=[req.num_computed_tokens]),
+        num_scheduled_tokens={req.request_id: num_tokens}, finished_req_ids=set())
+
+
 def scheduled(req, num_tokens, block_ids):
     from types import SimpleNamespace
     return SimpleNamespace(
@@ -225,17 +236,21 @@ def test_the_tier_supports_hybrid_models_group_by_group():
     assert tier.get_num_new_matched_tokens(a, 0) == (0, False)
     manager.allocate_slots(a, 14)
     tier.update_state_after_alloc(a, manager.get_blocks("a"), 0)
-    tier.build_connector_meta(scheduled(a, 14, manager.get_block_ids("a")))
+    allocated = manager.get_block_ids("a")
+    tier.build_connector_meta(scheduled(a, 14, allocated))
     a.num_computed_tokens = 14
     a.append_output_token_ids(7)
-    manager.allocate_slots(a, 1)
+    new_blocks = manager.allocate_slots(a, 1)
+    assert not any(new_blocks.get_block_ids())                  # 15 tokens fit in 4 blocks
     ids = manager.get_block_ids("a")
-    meta = tier.build_connector_meta(scheduled(a, 1, ids))
-    # Both groups' confirmed blocks, group by group; the window's dropped block
-    # (the null block) is skipped.
+    meta = tier.build_connector_meta(scheduled_again(a, 1, None))
     full, window = ids
-    assert window[0] == 0                      # null: tokens 0-3 are out of the window
-    assert meta.store_gpu_blocks == full[:3] + window[1:3]
+    assert window[0] == 0 != allocated[1][0]   # tokens 0-3 left the window: null in the table
+    # Both groups' confirmed blocks, group by group, from the ids recorded when they
+    # were allocated (vLLM's manager.py:567-644): the window block that has left the
+    # window is still cached on the device, so it is stored too.
+    assert manager.block_pool.blocks[allocated[1][0]].block_hash is not None
+    assert meta.store_gpu_blocks == full[:3] + allocated[1][:3]
     from kvref.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
         SimpleCPUOffloadWorkerMetadata)
     from kvref.distributed.kv_transfer.kv_connector.v1 import KVConnectorOutput

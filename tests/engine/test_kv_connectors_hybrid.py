@@ -54,7 +54,8 @@ BLOCK = 4
 WINDOW = 5
 OPTIONS = dict(block_size=BLOCK, max_model_len=64, max_num_batched_tokens=24)
 PARAMS = SamplingParams(max_tokens=6)
-WARNING = "hybrid KV cache manager is turned off"
+WARNING = ("Turning off hybrid kv cache manager because `--kv-transfer-config` selects a KV "
+           "connector that does not support it.")                 # vLLM's own words
 HEADS = dict(num_kv_heads=2, head_size=8, dtype="float32")     # hf_models.hybrid's
 
 

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KVConnectorFactory", "KVTransferConfig",
+__all__ = ["KVConnectorFactory", "KVTransferConfig", "VLLM_HMA_OFF_WARNING",
            "resolve_disable_hybrid_kv_cache_manager"]
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,17 @@ class KVConnectorFactory:
         return connector_cls(kv_transfer_config, role, kv_cache_config)
 
 
+# vLLM 0.25.1's warning when a connector turns the hybrid manager off, quoted from
+# vllm/config/vllm.py:1539-1550.
+VLLM_HMA_OFF_WARNING = (
+    "Turning off hybrid kv cache manager because `--kv-transfer-config` selects a KV "
+    "connector that does not support it. Impact: hybrid SSM models (e.g. Jamba, Bamba) "
+    "require HMA and will fail at startup without it; models with sliding window attention "
+    "will run with reduced performance. To add HMA support to a KV connector, subclass "
+    "`SupportsHMA` defined in kv_connector/v1/base.py (for MultiConnector, all child "
+    "connectors must support HMA).")
+
+
 def resolve_disable_hybrid_kv_cache_manager(kv_transfer_config: KVTransferConfig | None,
                                             disable_hybrid_kv_cache_manager: bool | None
                                             ) -> bool:
@@ -157,12 +168,11 @@ def resolve_disable_hybrid_kv_cache_manager(kv_transfer_config: KVTransferConfig
         return disable_hybrid_kv_cache_manager
     if kv_transfer_config is not None and not KVConnectorFactory.supports_hma_config(
             kv_transfer_config):
+        # vLLM's warning word for word (vllm/config/vllm.py:1539-1550), then kvref's
+        # own line: which connector, and what the warning's "reduced performance" is.
+        logger.warning(VLLM_HMA_OFF_WARNING)
         logger.warning(
-            "The hybrid KV cache manager is turned off: %s does not implement SupportsHMA "
-            "(vLLM's warning at config/vllm.py:1539-1550). Models with Mamba layers need "
-            "the hybrid manager and fail to start without it; sliding-window layers keep "
-            "every block, as full attention does. A connector supports it by subclassing "
-            "SupportsHMA (kvref/distributed/kv_transfer/kv_connector/v1/base.py).",
-            kv_transfer_config.kv_connector)
+            "kvref: %s does not implement SupportsHMA; sliding-window layers now keep "
+            "every block, as full attention does.", kv_transfer_config.kv_connector)
         return True
     return False

@@ -21,12 +21,15 @@ __all__ = ["RequestBlockTracker", "extend_content_keys", "gather_blocks", "scatt
 
 def yield_req_data(scheduler_output) -> Iterator[tuple[str, tuple[list[int], ...] | None,
                                                       bool, int]]:
-    """``(req_id, new_block_ids, resumed, num_computed_tokens)`` for each scheduled
+    """``(req_id, new_block_ids, preempted, num_computed_tokens)`` for each scheduled
     request: new ones first, then the cached ones. ``new_block_ids`` is the whole
-    table for a new or resumed request, the blocks added otherwise (or None);
-    ``num_computed_tokens`` is the count before this step's tokens."""
+    table for a new request or one resumed after preemption, the blocks added
+    otherwise (or None); ``preempted`` is True only for a resumed one, as in vLLM's
+    helper (``utils.py:299-316``): a new request's table is whole too, but what a
+    connector keeps of a request starts empty then. ``num_computed_tokens`` (kvref's
+    fourth field) is the count before this step's tokens."""
     for data in scheduler_output.scheduled_new_reqs:
-        yield data.req_id, data.block_ids, True, data.num_computed_tokens
+        yield data.req_id, data.block_ids, False, data.num_computed_tokens
     cached = scheduler_output.scheduled_cached_reqs
     for req_id, new_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                              cached.num_computed_tokens):

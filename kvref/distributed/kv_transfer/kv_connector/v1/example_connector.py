@@ -123,8 +123,10 @@ class ExampleConnector(KVConnectorBase_V1):
         loaded = {key for _, key in meta.loads}
         saving: set[str] = set()
         bs = self._block_size
-        for req_id, new_ids, replace, num_computed in yield_req_data(scheduler_output):
-            block_ids = self._blocks.update(req_id, new_ids, replace)
+        for req_id, new_ids, preempted, num_computed in yield_req_data(scheduler_output):
+            # A new request is not tracked yet (request_finished forgets each one), so
+            # its whole table extends an empty list; a resumed one's replaces its own.
+            block_ids = self._blocks.update(req_id, new_ids, preempted)
             request = self._requests[req_id]
             # Known tokens only: draft tokens may be rejected.
             end = min(num_computed + scheduler_output.num_scheduled_tokens[req_id],

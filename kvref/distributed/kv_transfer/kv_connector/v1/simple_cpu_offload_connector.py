@@ -11,7 +11,9 @@ Eager mode (the default) stores every block a request has **confirmed**:
 ``num_computed_tokens - num_output_placeholders``, whole blocks
 (``manager.py:539-547, 594-599``), so the blocks a step computes are stored by
 the next step's plan, and a request that finishes in the step that fills its
-last block may never store it. A 14-token prompt, block size 4::
+last block does not store it itself ("may be missed", ``manager.py:544-547``): a
+later request whose prefix hits that still-cached device block stores it. A
+14-token prompt, block size 4::
 
     step 0  computes tokens 0-13; plan: nothing (0 tokens confirmed)
     step 1  plan: blocks 0-2 (12 of 14 confirmed) -> 3 new host blocks; the
@@ -344,11 +346,11 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         groups = self.cpu_kv_cache_config.kv_cache_groups
         num_free = self.cpu_block_pool.get_num_free_blocks()
         all_gpu, all_cpu, req_ids = [], [], []
-        for req_id, new_ids, resumed, _ in yield_req_data(scheduler_output):
+        for req_id, new_ids, preempted, _ in yield_req_data(scheduler_output):
             state = self._reqs_to_store.get(req_id)
             if state is None or state.finished:
                 continue
-            if resumed:             # a new table (kvref also says so for a new request)
+            if preempted:           # resumed after preemption: its whole table again
                 state.block_ids = tuple([] for _ in groups)
                 state.num_done = [0] * len(groups)
             for g, ids in enumerate(new_ids or ()):
