@@ -208,6 +208,10 @@ class EngineRequest(Request):
         # Async scheduling: tokens of steps in flight (sampled and draft slots),
         # already counted in num_computed_tokens, not yet in the token list.
         self.num_output_placeholders = 0
+        # Async scheduling: outputs of steps in flight when the scheduler's
+        # reset_prefix_cache(reset_running_requests=True) preempted it; each is
+        # dropped when it arrives (vLLM's ``async_tokens_to_discard``).
+        self.async_tokens_to_discard = 0
         # The last step that scheduled it (the deferred-free fence; vLLM's name).
         self.last_sched_seq = 0
         # The stop token that finished it (None: EOS, a length cap, or unfinished).

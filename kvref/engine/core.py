@@ -125,6 +125,12 @@ class EngineCore:
         model_runner_output = self.model_runner.execute_model(scheduler_output)
         return self.update_from_output(scheduler_output, model_runner_output)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """The scheduler's ``reset_prefix_cache``, between steps (vLLM's
+        ``core.py:680-685``)."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests, reset_connector)
+
     def shutdown(self) -> None:
         """Nothing to stop for a synchronous core (the async one has a thread)."""
 

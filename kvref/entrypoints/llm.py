@@ -349,12 +349,29 @@ class LLM:
             self._next_request_id += 1
         return self.scheduler.new_request(request_id, ids, sampling_params)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``
+        (``llm.py:800-805``): False while requests hold blocks, unless
+        ``reset_running_requests`` preempts them first (they recompute);
+        ``reset_connector`` also resets the KV connector's cache
+        (``Scheduler.reset_prefix_cache``)."""
+        return self.engine_core.reset_prefix_cache(reset_running_requests, reset_connector)
+
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it. Under async
         scheduling a step that only queued a batch returns ``[]``."""
+        # Frames a reset_prefix_cache(reset_running_requests=True) left in flight are
+        # dropped by the scheduler when they arrive: so are their logits.
+        to_discard = {req_id: request.async_tokens_to_discard
+                      for req_id, request in self.scheduler.requests.items()
+                      if request.async_tokens_to_discard}
         step = self.engine_core.step()
         if step is not None:
             for req_id, logits in step.model_runner_output.logits.items():
+                if req_id in to_discard and (self.scheduler.requests[req_id]
+                                             .async_tokens_to_discard < to_discard[req_id]):
+                    continue
                 self._logits.setdefault(req_id, []).extend(logits)
         for hook in self.after_step:
             hook(self)

@@ -74,6 +74,11 @@ class AsyncScheduler(Scheduler):
 
     def _update_request_with_output(self, request: EngineRequest, new_token_ids: list[int]
                                     ) -> tuple[list[int], bool]:
+        if request.async_tokens_to_discard > 0:
+            # A step in flight when reset_prefix_cache preempted it: its output is
+            # stale, dropped whole (vLLM's async_scheduler.py:54-58).
+            request.async_tokens_to_discard -= 1
+            return [], False
         status_before = request.status
         new_token_ids, stopped = super()._update_request_with_output(request, new_token_ids)
         request.num_output_placeholders -= len(new_token_ids)

@@ -330,6 +330,9 @@ class Scheduler:
         self._init_kv_connector(kv_transfer_config, disable_hybrid_kv_cache_manager)
 
         self.finished_req_ids: set[str] = set()
+        # Every request preempted since the last schedule(), by it or by a reset:
+        # the next output's preempted_req_ids (vLLM's reset_preempted_req_ids).
+        self.reset_preempted_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
         self.step_records: list[StepRecord] = []
         self._records_in_flight: dict[int, StepRecord] = {}   # id(SchedulerOutput) -> record
@@ -811,8 +814,54 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=step.scheduled_spec_decode_tokens,
             num_common_prefix_blocks=num_common_prefix_blocks,
-            preempted_req_ids={req.request_id for req in step.preempted},
+            preempted_req_ids=self.reset_preempted_req_ids,
             finished_req_ids=self.finished_req_ids)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Forget every cached prefix; True if it was done (vLLM's
+        ``scheduler.py:2196-2243``).
+
+        The KV layer refuses while a request holds blocks (INV-RESET-1), so by
+        default this is False whenever requests are running.
+        ``reset_running_requests``: preempt every running request first (last
+        first, so they return to the waiting queue's front in their order); they
+        then recompute their KV from scratch. Under async scheduling, outputs
+        still in flight for them are dropped when they arrive (their
+        ``num_output_placeholders`` become ``async_tokens_to_discard``). If the
+        layer still refuses (a request waiting for a KV load holds blocks), this
+        raises ``RuntimeError``. ``reset_connector``: also reset the KV
+        connector's own cache (``reset_connector_cache``).
+        """
+        if reset_running_requests:
+            while self.running:
+                request = self.running.pop()
+                self._preempt_request(request)
+                request.async_tokens_to_discard = request.num_output_placeholders
+                request.num_output_placeholders = 0
+            # They are resumed as if not scheduled the step before: the runner gets
+            # their whole token lists again.
+            self.prev_step_scheduled_req_ids.clear()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not done:
+            raise RuntimeError("the prefix cache could not be reset although every running "
+                               "request was preempted: a request waiting for a KV load "
+                               "still holds blocks")
+        if reset_connector:
+            done = self.reset_connector_cache() and done
+        return done
+
+    def reset_connector_cache(self) -> bool:
+        """Reset the KV connector's own cache: True with no connector, False only
+        when the connector says it could not (vLLM's ``scheduler.py:2245-2266``:
+        a connector that does not implement ``reset_cache`` counts as done)."""
+        if self.connector is None:
+            return True
+        if self.connector.reset_cache() is False:
+            return False
+        if self.connector_prefix_cache_stats is not None:
+            self.connector_prefix_cache_stats.reset = True
+        return True
 
     def _preempt_request(self, request: EngineRequest) -> None:
         """Recompute-preemption: drop the KV, start over from the waiting queue's front.
@@ -832,6 +881,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
+        self.reset_preempted_req_ids.add(request.request_id)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance now, before the model runs: a cut prefill can be scheduled again next step.
@@ -847,8 +897,9 @@ class Scheduler:
                 self._inflight_prefills.discard(request)
         self.stats.total_tokens_scheduled += output.total_num_scheduled_tokens
         self.stats.num_steps += 1
-        # A fresh set: the output just built keeps the old one.
+        # Fresh sets: the output just built keeps the old ones.
         self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
 
     def _make_cached_request_data(self, running: list[EngineRequest],
                                   resumed: list[EngineRequest],
@@ -901,7 +952,8 @@ class Scheduler:
             if not new_token_ids:
                 continue                          # a cut prefill samples nothing
             draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if draft:
+            if draft and request.async_tokens_to_discard == 0:
+                # (A frame to be discarded counts nothing: scheduler.py:1586-1592.)
                 self._roll_back_rejected_drafts(request, draft, new_token_ids)
             status_before = request.status
             new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)

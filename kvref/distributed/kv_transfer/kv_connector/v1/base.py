@@ -294,6 +294,13 @@ class KVConnectorBase_V1(ABC):
         """
         return False, None
 
+    def reset_cache(self) -> bool | None:
+        """Forget the connector's own cached KV (the scheduler's
+        ``reset_prefix_cache(reset_connector=True)``); False if it could not. The
+        default does nothing and returns None, which the scheduler counts as done
+        (vLLM's base, ``base.py:691-703``)."""
+        return None
+
     def take_events(self) -> Iterable:
         """KV cache events the connector produced since the last call. The scheduler
         takes them after every ``update_from_output`` and publishes them with the

@@ -458,6 +458,13 @@ class SimpleCPUOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 if state.finished and not state.events:
                     self._forget_stores(req_id)
 
+    def reset_cache(self) -> bool | None:
+        """Not modelled: vLLM's tier abandons its transfers and resets the host pool
+        when it is safe (``manager.py:883-921``); kvref's says so instead of
+        answering as if it had."""
+        raise NotImplementedError("kvref's SimpleCPUOffloadConnector does not model "
+                                  "reset_cache (vLLM's simple_kv_offload/manager.py:883-921)")
+
     def has_pending_stores(self) -> bool:
         return bool(self._store_event_to_blocks)
 
