@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ModelRunnerOutput"]
+__all__ = ["Logprob", "ModelRunnerOutput"]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log probability and its rank in the vocabulary (1: the most
+    likely), as vLLM's ``vllm/logprobs.py:13-24``; ``decoded_token`` with a tokenizer."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass(slots=True)
@@ -28,5 +38,8 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logits: dict[str, object] = field(default_factory=dict)
+    # Requests whose prompt was all computed this step, with prompt_logprobs asked
+    # for: one ``{token_id: Logprob}`` per prompt position after the first.
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     # With a KV connector: finished transfers and failed loads (``KVConnectorOutput``).
     kv_connector_output: object | None = None

@@ -194,7 +194,9 @@ class EngineRequest(Request):
         self.sampling_params = sampling_params or SamplingParams()
         super().__init__(request_id, prompt_token_ids, block_hasher=block_hasher,
                          max_tokens=self.sampling_params.max_tokens,
-                         prompt_embeds=prompt_embeds)
+                         prompt_embeds=prompt_embeds,
+                         skip_reading_prefix_cache=bool(
+                             self.sampling_params.skip_reading_prefix_cache))
         self.eos_token_id = eos_token_id
         self.output_token_ids: list[int] = []
         # Prompt tokens the prefix cache served at the last admission before

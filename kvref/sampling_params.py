@@ -30,6 +30,13 @@ class SamplingParams:
         extra_args: free-form extras; ``{"kv_transfer_params": {...}}`` is what a
             KV connector reads (``{"do_remote_decode": True}`` on a prefill engine,
             ``{"do_remote_prefill": True}`` on a decode engine).
+        prompt_logprobs: for every prompt token after the first, the log
+            probability the model gave it and the ``prompt_logprobs`` most likely
+            tokens (-1: the whole vocabulary); ``RequestOutput.prompt_logprobs``.
+        skip_reading_prefix_cache: compute the whole prompt, reading no cached
+            block. None (the default) means: exactly when ``prompt_logprobs`` is
+            set, since a cached prefix would have no logits to give (vLLM's rule,
+            ``vllm/sampling_params.py:500-504``).
     """
 
     temperature: float = 0.0
@@ -39,6 +46,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
     extra_args: dict | None = None
+    prompt_logprobs: int | None = None
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:
@@ -49,3 +58,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < -1):
+            raise ValueError(f"prompt_logprobs must be None, -1 (the whole vocabulary) or "
+                             f"a count >= 0, got {self.prompt_logprobs!r}")
+        if self.skip_reading_prefix_cache is None:
+            object.__setattr__(self, "skip_reading_prefix_cache",
+                               self.prompt_logprobs is not None)

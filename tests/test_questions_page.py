@@ -143,6 +143,20 @@ def test_why_the_multi_turn_workload_misses(capsys):
                                                      "shared_prefix_ends_inside_block"}
 
 
+def test_preempted_lookups_are_counted_apart(capsys):
+    from kvref.cli import main
+
+    assert main(["simulate", "--workload", "pressure", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["num_preemptions"] > 0 and r["preempted_prefix_cache_hits"] > 0
+    says(f"vLLM's hit rate is {r['prefix_cache_hits']} hits of {r['prefix_cache_queries']} "
+         f"queried tokens, and apart from it the resumed requests found "
+         f"{r['preempted_prefix_cache_hits']} of {r['preempted_prefix_cache_queries']} queried "
+         f"tokens in their own cached blocks")
+    says(f"outnumber the trace's {r['prompt_tokens']} prompt tokens")
+    assert r["prefix_cache_queries"] > r["prompt_tokens"]
+
+
 def test_host_blocks_per_rank():
     spec = FullAttentionSpec(4, num_kv_heads=1, head_size=8, dtype="float32")
     config = KVCacheConfig(16, [KVCacheGroupSpec(["l0"], spec)],

@@ -58,6 +58,7 @@ from kvref.engine.core import make_engine_core
 from kvref.model_executor.loader import load_model
 from kvref.worker.gpu_model_runner import GPUModelRunner, make_kv_cache_config
 from kvref.spec_decode.ngram_proposer import NgramProposer
+from kvref.outputs import Logprob
 from kvref.request import EngineRequest
 from kvref.sampling_params import SamplingParams
 from kvref.sched.scheduler import Scheduler, SchedulerStats
@@ -133,6 +134,9 @@ class RequestOutput:
     num_cached_tokens: int
     prompt: str | None = None      # the prompt's text, when it was given as text
     kv_transfer_params: dict | None = None    # what a KV connector returned for it
+    # With SamplingParams(prompt_logprobs=k): None for the first prompt token, then
+    # one {token_id: Logprob} per prompt token (vLLM's RequestOutput.prompt_logprobs).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -264,6 +268,7 @@ class LLM:
         self.engine_core = make_engine_core(self.scheduler, self.model_runner)
         self.after_step: list[Callable[[LLM], None]] = []
         self._logits: dict[str, list[torch.Tensor]] = {}
+        self._prompt_logprobs: dict[str, list] = {}
         self._prompt_text: dict[str, str] = {}
         self._next_request_id = 0
 
@@ -368,6 +373,8 @@ class LLM:
                       if request.async_tokens_to_discard}
         step = self.engine_core.step()
         if step is not None:
+            for req_id, entries in step.model_runner_output.prompt_logprobs.items():
+                self._prompt_logprobs[req_id] = [None, *entries]
             for req_id, logits in step.model_runner_output.logits.items():
                 if req_id in to_discard and (self.scheduler.requests[req_id]
                                              .async_tokens_to_discard < to_discard[req_id]):
@@ -418,7 +425,9 @@ class LLM:
         return RequestOutput(request.request_id, list(request.prompt_token_ids),
                              [completion], True, request.num_cached_tokens,
                              self._prompt_text.pop(request.request_id, None),
-                             kv_transfer_params=request.kv_transfer_params_out)
+                             kv_transfer_params=request.kv_transfer_params_out,
+                             prompt_logprobs=self._prompt_logprobs.pop(request.request_id,
+                                                                       None))
 
 
 def _as_token_ids(tokens) -> list[int]:

@@ -64,7 +64,7 @@ from kvref.model_executor.model import AttentionMetadata, TransformerForCausalLM
 from kvref.config.model import ModelConfig
 from kvref.worker.gpu_input_batch import CachedRequestState, RunnerRequestStates
 from kvref.spec_decode.ngram_proposer import NgramProposer
-from kvref.outputs import ModelRunnerOutput
+from kvref.outputs import Logprob, ModelRunnerOutput
 from kvref.sched.output import SchedulerOutput
 from kvref.worker import MultiGroupBlockTable
 
@@ -135,6 +135,7 @@ class _Batch:
     # (the last known token, then each draft token: len(draft) + 1 rows).
     sampling: list[tuple[CachedRequestState, list[int], slice]]
     attn_metadata: list[AttentionMetadata]   # per layer
+    query_start_loc: list[int]               # row r's tokens: [qsl[r], qsl[r + 1])
 
 
 class GPUModelRunner(RunnerRequestStates):
@@ -174,6 +175,11 @@ class GPUModelRunner(RunnerRequestStates):
         self.device = torch.device(device)
         self.dtype = dtype
         self.keep_logits = keep_logits
+        # prompt_logprobs: how many top tokens each request still computing its prompt
+        # wants, and the positions it has so far (vLLM's num_prompt_logprobs,
+        # gpu_model_runner.py:1266-1271, and in_progress_prompt_logprobs_cpu).
+        self.num_prompt_logprobs: dict[str, int] = {}
+        self._prompt_logprobs_so_far: dict[str, dict[int, dict[int, Logprob]]] = {}
         groups = kv_cache_config.kv_cache_groups
         group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         num_layers = model.config.num_hidden_layers
@@ -226,6 +232,10 @@ class GPUModelRunner(RunnerRequestStates):
 
     def on_new_request(self, state: CachedRequestState) -> None:
         params = state.sampling_params
+        if params is not None and params.prompt_logprobs is not None:
+            self.num_prompt_logprobs[state.req_id] = (
+                self.model.config.vocab_size if params.prompt_logprobs == -1
+                else params.prompt_logprobs)
         if params is not None and params.temperature > 0.0:
             state.generator = torch.Generator(device=self.device)
             if params.seed is not None:
@@ -253,6 +263,9 @@ class GPUModelRunner(RunnerRequestStates):
         batch = self._prepare_inputs(states, num_scheduled, drafts)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
                             batch.attn_metadata)
+        if self.num_prompt_logprobs:
+            output.prompt_logprobs = self._prompt_logprobs(hidden, states, num_scheduled,
+                                                           batch.query_start_loc)
         logits = None
         if batch.sampling:
             sampled_hidden = hidden if batch.logits_indices is None else \
@@ -339,7 +352,52 @@ class GPUModelRunner(RunnerRequestStates):
             torch.tensor(logits_indices, dtype=torch.int64, device=device),
             sampling=sampling,
             attn_metadata=[per_group_window[g, w]
-                           for g, w in zip(self.layer_to_group, self.layer_windows)])
+                           for g, w in zip(self.layer_to_group, self.layer_windows)],
+            query_start_loc=query_start_loc)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, states: list[CachedRequestState],
+                         num_scheduled: dict[str, int], query_start_loc: list[int]
+                         ) -> dict[str, list[dict[int, Logprob]]]:
+        """The prompt logprobs of this step's prompt tokens (vLLM's
+        ``_get_prompt_logprobs_dict``, ``gpu_model_runner.py:5520-5630``); a
+        request's whole list once its prompt is done.
+
+        Position ``p``'s logits score prompt token ``p + 1``: its logprob and rank
+        (how many tokens score at least as high, ``sample/ops/logprobs.py:11-27``),
+        then the top tokens ranked 1, 2, ... A chunk that ends exactly at the
+        prompt's last token waits for the next step, as in vLLM; a request
+        preempted mid-prompt computes the positions again.
+        """
+        done: dict[str, list[dict[int, Logprob]]] = {}
+        for row, state in enumerate(states):
+            top = self.num_prompt_logprobs.get(state.req_id)
+            if top is None:
+                continue
+            start, n = state.num_computed_tokens, num_scheduled[state.req_id]
+            remaining = state.num_prompt_tokens - (start + 1)
+            num_logits = min(n, remaining)
+            so_far = self._prompt_logprobs_so_far.setdefault(state.req_id, {})
+            if num_logits > 0:
+                first = query_start_loc[row]
+                logits = self.model.compute_logits(hidden[first:first + num_logits])
+                logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+                targets = torch.tensor(state.token_ids[start + 1:start + 1 + num_logits],
+                                       dtype=torch.int64, device=logprobs.device)
+                target_logprobs = logprobs.gather(-1, targets[:, None])
+                ranks = (logprobs >= target_logprobs).sum(-1).tolist()
+                top_logprobs, top_ids = logprobs.topk(top, dim=-1)
+                for i, (token, logprob) in enumerate(zip(targets.tolist(),
+                                                         target_logprobs[:, 0].tolist())):
+                    entry = {token: Logprob(logprob, ranks[i])}
+                    for rank, (other, other_logprob) in enumerate(
+                            zip(top_ids[i].tolist(), top_logprobs[i].tolist()), start=1):
+                        entry[other] = Logprob(other_logprob, rank)
+                    so_far[start + i] = entry
+            if n > remaining:                     # the prompt's last token was computed
+                done[state.req_id] = [so_far[p] for p in range(state.num_prompt_tokens - 1)]
+                del self.num_prompt_logprobs[state.req_id]
+                del self._prompt_logprobs_so_far[state.req_id]
+        return done
 
     def _fill_row(self, state: CachedRequestState, row: int) -> None:
         """Make table row ``row`` hold ``state``'s blocks. A row that held the same
