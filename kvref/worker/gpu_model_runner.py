@@ -251,6 +251,9 @@ class GPUModelRunner(RunnerRequestStates):
         return execute_with_connector(self.kv_connector, scheduler_output, self._execute_model)
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in scheduler_output.finished_req_ids:      # (vLLM: aborted mid-prompt)
+            self.num_prompt_logprobs.pop(req_id, None)
+            self._prompt_logprobs_so_far.pop(req_id, None)
         states = self.update_states(scheduler_output)
         req_ids = [s.req_id for s in states]
         output = ModelRunnerOutput(req_ids=req_ids,

@@ -79,3 +79,15 @@ def test_prompt_logprobs_skip_the_prefix_cache_as_vllm_does(model):
 def test_a_bad_prompt_logprobs_is_refused(bad):
     with pytest.raises(ValueError, match="prompt_logprobs must be"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_request_aborted_mid_prompt_leaves_nothing_behind(model):
+    prompt = shared_prefix_prompts(model.config.vocab_size, seed=7)[0]
+    llm = LLM(model, max_num_batched_tokens=4, **OPTIONS)
+    request = llm.add_request(prompt, SamplingParams(max_tokens=2, prompt_logprobs=2))
+    llm.step()                                    # 4 of its prompt tokens computed
+    runner = llm.model_runner
+    assert runner._prompt_logprobs_so_far[request.request_id]
+    llm.scheduler.finish_requests(request.request_id)
+    llm.step()                                    # the runner hears of the abort
+    assert runner.num_prompt_logprobs == {} and runner._prompt_logprobs_so_far == {}
