@@ -289,13 +289,13 @@ def cmd_replay(args, console: Console) -> int:
                       f"(not {TRACE_FORMAT}; {OTHER_FORMATS[trace_format]})",
                       highlight=False)
     if needs_torch:
-        # One line, and not "bad input" unless nothing else could be replayed.
+        # One line; "bad input" only if nothing else could be replayed (below).
         print(f"note: skipped {_n(needs_torch, 'trace')} with prompt embeddings, which "
               f"{'needs' if needs_torch == 1 else 'need'} torch: {TORCH_INSTALL}",
               file=sys.stderr)
-        if replayed == 0 and not bad:
-            return EXIT_BAD_INPUT
     if replayed == 0 and not bad:
+        if needs_torch:
+            return EXIT_BAD_INPUT
         raise UsageError(f"kvref replay: no {TRACE_FORMAT} traces under {' '.join(args.paths)}")
     return EXIT_BAD_INPUT if bad else (1 if divergent else 0)
 
@@ -365,6 +365,7 @@ def _watch_report(watchers, queries, as_json: bool, console: Console) -> None:
     else:
         print(json.dumps({"data_parallel_size": len(watchers),
                           "ranks": [w.status() for w in watchers], "queries": answers}))
+
 
 TORCH_INSTALL = "python3 -m pip install -e '.[torch]'"
 

@@ -3,7 +3,7 @@
 Mirrors ``ModelRunnerOutput`` of ``vllm/v1/outputs.py``, keeping the fields
 kvref's scheduler reads, plus ``logits`` (kvref's, for the tests that compare
 with ``transformers``). The runners build it; ``Scheduler.update_from_output``
-consumes it.
+consumes it. ``Logprob`` is ``vllm/logprobs.py``'s, for prompt logprobs.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from kvref.sched.scheduler import Scheduler
 from kvref.engine import SamplingParams
 from kvref.worker.model_free_runner import ModelFreeRunner
 
-from tests.distributed.test_simple_cpu_offload_connector import (hybrid_tier, scheduled,
-                                                                 scheduled_again)
+from tests.distributed.test_simple_cpu_offload_connector import (hybrid_tier,
+                                                                 prefill_then_decode)
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "questions.md"
 TEXT = " ".join(PAGE.read_text(encoding="utf-8").split())
@@ -62,14 +62,7 @@ def test_what_the_cpu_tier_stores_and_loads_per_group():
     manager, tier = hybrid_tier()
     hasher = get_request_block_hasher(4, sha256)
     a = Request("a", list(range(14)), block_hasher=hasher)
-    manager.allocate_slots(a, 14)
-    tier.update_state_after_alloc(a, manager.get_blocks("a"), 0)
-    allocated = manager.get_block_ids("a")
-    tier.build_connector_meta(scheduled(a, 14, allocated))
-    a.num_computed_tokens = 14
-    a.append_output_token_ids(7)
-    manager.allocate_slots(a, 1)
-    meta = tier.build_connector_meta(scheduled_again(a, 1, None))
+    allocated, meta = prefill_then_decode(manager, tier, a)
     full, window = allocated
     stored = set(meta.store_gpu_blocks)
     stored_full, stored_window = len(stored & set(full)), len(stored & set(window))

@@ -228,22 +228,30 @@ def scheduled(req, num_tokens, block_ids):
         num_scheduled_tokens={req.request_id: num_tokens}, finished_req_ids=set())
 
 
+def prefill_then_decode(manager, tier, request) -> tuple:
+    """Two scheduler steps of ``request`` with the tier: its whole prompt, then one
+    decode token that needs no new block. Returns its tables as they were allocated
+    and the second step's plan (which stores the prompt's confirmed blocks)."""
+    n = request.num_tokens
+    manager.allocate_slots(request, n)
+    tier.update_state_after_alloc(request, manager.get_blocks(request.request_id), 0)
+    allocated = manager.get_block_ids(request.request_id)
+    tier.build_connector_meta(scheduled(request, n, allocated))
+    request.num_computed_tokens = n
+    request.append_output_token_ids(7)
+    new_blocks = manager.allocate_slots(request, 1)
+    assert not any(new_blocks.get_block_ids())           # the next token fits in the last block
+    return allocated, tier.build_connector_meta(scheduled_again(request, 1, None))
+
+
 def test_the_tier_supports_hybrid_models_group_by_group():
     manager, tier = hybrid_tier()
     assert isinstance(tier, SupportsHMA)
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     a = Request("a", list(range(14)), block_hasher=hasher)
     assert tier.get_num_new_matched_tokens(a, 0) == (0, False)
-    manager.allocate_slots(a, 14)
-    tier.update_state_after_alloc(a, manager.get_blocks("a"), 0)
-    allocated = manager.get_block_ids("a")
-    tier.build_connector_meta(scheduled(a, 14, allocated))
-    a.num_computed_tokens = 14
-    a.append_output_token_ids(7)
-    new_blocks = manager.allocate_slots(a, 1)
-    assert not any(new_blocks.get_block_ids())                  # 15 tokens fit in 4 blocks
+    allocated, meta = prefill_then_decode(manager, tier, a)
     ids = manager.get_block_ids("a")
-    meta = tier.build_connector_meta(scheduled_again(a, 1, None))
     full, window = ids
     assert window[0] == 0 != allocated[1][0]   # tokens 0-3 left the window: null in the table
     # Both groups' confirmed blocks, group by group, from the ids recorded when they
