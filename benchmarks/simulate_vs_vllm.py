@@ -1,8 +1,11 @@
-"""A Mooncake trace through ``kvref simulate`` and through vLLM 0.25.1's own Scheduler.
+"""A trace through ``kvref simulate`` and through vLLM 0.25.1's own Scheduler.
 
-Both sides run the same loop with no model: the same arrivals (trace
-timestamps on the same step-time model, or order only), the same "model" (a
-request that reaches its last token samples ``2**30 + position``), and the
+The trace is Mooncake's (the vendored ``conversation`` by default) or a plain
+JSONL of ``prompt_token_ids`` with, if the user has them, the replies the
+server gave (``output_token_ids``). Both sides run the same loop with no model:
+the same arrivals (trace timestamps on the same step-time model, or order
+only), the same "model" (a request that reaches its last token samples the
+next token of its reply, or else the stand-in ``2**30 + position``), and the
 same pool. vLLM's side is its real ``vllm.v1.core.sched.scheduler.Scheduler``,
 built as ``tools/record_vllm_scheduler.py`` builds it (the project's recorder),
 driven in the oracle interpreter and importing nothing of kvref (the trace's
@@ -69,17 +72,30 @@ def read_trace(args) -> list[dict]:
         for i, line in enumerate(f):
             if args.max_requests is not None and len(rows) >= args.max_requests:
                 break
+            if not line.strip():
+                continue
             obj = json.loads(line)
-            out = max(obj.get("output_length", 1), 1)
+            if "prompt_token_ids" in obj:           # a plain line (kvref.simulate.traces)
+                reply = obj.get("output_token_ids")
+                out = len(reply) if reply else obj.get("max_tokens", 1)
+                arrival = obj.get("arrival_s", obj.get("timestamp", 0) / 1000.0)
+                row = {"id": str(obj.get("request_id", f"r{i}")),
+                       "tokens": obj["prompt_token_ids"],
+                       "P": len(obj["prompt_token_ids"]), "reply": reply, "t": arrival}
+            else:
+                out = max(obj.get("output_length", 1), 1)
+                row = {"id": f"r{i}", "ids": obj["hash_ids"], "P": obj["input_length"],
+                       "reply": None, "t": obj.get("timestamp", 0) / 1000.0}
             if args.max_output_tokens is not None:
                 out = min(out, args.max_output_tokens)
-            rows.append({"id": f"r{i}", "ids": obj["hash_ids"], "P": obj["input_length"],
-                         "out": out, "t": obj.get("timestamp", 0) / 1000.0})
+            rows.append(row | {"out": out})
     return rows
 
 
 def prompt(row) -> list[int]:
-    """kvref.simulate.traces.mooncake_prompt, written out again."""
+    """kvref.simulate.traces.mooncake_prompt, written out again (a plain line: its own)."""
+    if "tokens" in row:
+        return list(row["tokens"])
     tokens: list[int] = []
     for b in row["ids"]:
         tokens.extend(range(1000 + 512 * b, 1000 + 512 * b + 512))
@@ -122,13 +138,18 @@ def vllm_side(args) -> dict:
     pending = deque(sorted(rows, key=lambda r: r["t"]) if args.arrivals == "timestamps"
                     else rows)
     hits: dict[str, int] = {}
+    replies = {r["id"]: r["reply"] for r in rows if r["reply"]}
     totals = dict(queries=0, prefix_hits=0, preempted_queries=0, preempted_hits=0)
     clock = 0.0
     steps = 0
 
+    prompt_tokens = 0
+
     def add(r):
+        nonlocal prompt_tokens
         if r["P"] >= max_model_len:
             return
+        prompt_tokens += r["P"]
         run.add_request(r["id"], prompt(r), {"max_tokens": r["out"], "ignore_eos": True})
 
     while pending or sched.has_requests():
@@ -149,8 +170,13 @@ def vllm_side(args) -> dict:
         sampled = []
         for rid in req_ids:
             request = sched.requests[rid]
-            done = request.num_computed_tokens >= request.num_tokens
-            sampled.append([OUTPUT_TOKEN_BASE + request.num_tokens] if done else [])
+            if request.num_computed_tokens < request.num_tokens:
+                sampled.append([])
+                continue
+            reply = replies.get(rid)
+            position = request.num_tokens - request.num_prompt_tokens
+            sampled.append([reply[position]] if reply and position < len(reply)
+                           else [OUTPUT_TOKEN_BASE + request.num_tokens])
         engine_outputs = sched.update_from_output(out, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled))
@@ -167,6 +193,7 @@ def vllm_side(args) -> dict:
                   * out.total_num_scheduled_tokens) / 1000.0
         steps += 1
     return {"seconds": time.perf_counter() - started, "hits": hits, "steps": steps,
+            "hit_ratio_once": sum(hits.values()) / prompt_tokens if prompt_tokens else 0.0,
             **totals}
 
 
@@ -224,6 +251,8 @@ def main(argv=None) -> int:
         return 1
     v = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"vLLM Scheduler : {v['seconds']:7.1f} s  ({v['steps']:,} steps)")
+    print(f"vLLM Scheduler hit ratio once {v['hit_ratio_once']:.3f} (kvref "
+          f"{s['hit_ratio_once']:.3f})")
     print(f"kvref / vLLM   : {k['seconds'] / v['seconds']:.2f}x the time")
     same = {key: k[key] == v[key] for key in ("hits", "steps", "queries", "prefix_hits",
                                                 "preempted_queries", "preempted_hits")}

@@ -366,19 +366,12 @@ def read_queries(texts: list[str], path: str | None, prompts: list[str] = (),
 
 def load_tokenizer(folder: str) -> Callable[[str], list[int]]:
     """A local tokenizer folder (never downloads) as text -> token ids, with the
-    special tokens vLLM's ``/v1/completions`` adds by default
-    (``vllm/entrypoints/openai/completion/protocol.py:100``). A chat request's
-    prompt goes through the chat template first: give its token ids instead."""
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError("--tokenizer needs transformers: pip install 'kvref[engine]'") from None
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"--tokenizer {folder}: {first}") from None
-    return lambda text: list(tokenizer(text)["input_ids"])
+    special tokens vLLM's ``/v1/completions`` adds by default (the completion
+    rule of ``kvref.simulate.text``). A chat request's prompt goes through the
+    chat template first: give its token ids instead."""
+    from kvref.simulate.text import load_text_tokenizer
+
+    return load_text_tokenizer(folder).completion
 
 
 def import_zmq():

@@ -43,9 +43,10 @@ def add_simulate_parser(sub, usage_error: type[Exception] = ValueError
 
     p = sub.add_parser(
         "simulate", help="run a request trace through vLLM's scheduler and KV cache (no model)",
-        description="Replay a request trace (Mooncake JSONL, or a JSONL of prompt_token_ids / "
-        "max_tokens / arrival_s; 'conversation' and 'synthetic' are the vendored Mooncake "
-        "traces) through kvref's vLLM 0.25.1 scheduler and KV cache manager with no model. "
+        description="Replay a request trace (Mooncake JSONL, or a JSONL of prompt_token_ids "
+        "or, with --tokenizer, 'prompt' text or chat 'messages', each with max_tokens, "
+        "arrival_s and the reply the server gave, output_token_ids or 'output' text; "
+        "'conversation' and 'synthetic' are the vendored Mooncake traces) through kvref's vLLM 0.25.1 scheduler and KV cache manager with no model. "
         "Reports vLLM's prefix-cache counters and why every computed prompt token was not "
         "served from the cache (specs/simulate.md).")
     p.add_argument("trace", nargs="?",
@@ -53,6 +54,10 @@ def add_simulate_parser(sub, usage_error: type[Exception] = ValueError
     p.add_argument("--workload", metavar="W",
                    help="instead of a trace, one of kvref's workloads (chat, multi-turn, rag, "
                    "agent, hybrid, pressure), on its own pool and scheduler settings")
+    p.add_argument("--tokenizer", metavar="DIR_OR_NAME",
+                   help="the served model's tokenizer (a folder, or a Hugging Face name in "
+                   "the local cache), for lines with 'prompt' text, chat 'messages' or "
+                   "'output' text; needs pip install 'kvref[engine]'")
     p.add_argument("--max-requests", type=int, metavar="N", help="the first N requests only")
     p.add_argument("--skip", type=int, default=0, metavar="N", help="skip the first N requests")
     g = p.add_argument_group("time")
@@ -196,6 +201,8 @@ def _check_args(args) -> None:
     if args.kv_offloading_size is not None and (args.sweep or args.workload or args.record):
         raise ValueError("--kv-offloading-size runs one trace: --sweep, --workload and "
                          "--record do not take it")
+    if args.tokenizer is not None and args.workload is not None:
+        raise ValueError("--tokenizer reads a trace's text: a --workload is token ids already")
     if args.kv_offloading_size is None and args.kv_offload_copy_steps != 1:
         raise ValueError("--kv-offload-copy-steps needs --kv-offloading-size")
     if args.record is not None and not args.record.endswith((".json", ".json.gz")):
@@ -216,7 +223,8 @@ def cmd_simulate(args, console, usage_error: type[Exception] = ValueError) -> in
             raise ValueError("give a TRACE or --workload W (one of them)")
         if args.workload is not None:
             return _workload(args, console)
-        requests = load_trace(args.trace, max_requests=args.max_requests, skip=args.skip)
+        requests = load_trace(args.trace, max_requests=args.max_requests, skip=args.skip,
+                              tokenizer=_tokenizer(args))
         pool = _pool(args, requests)
         options = dict(max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens,
@@ -246,6 +254,15 @@ def cmd_simulate(args, console, usage_error: type[Exception] = ValueError) -> in
         return 0
     console.print(render_report(result, trace=str(args.trace)))
     return 0
+
+
+def _tokenizer(args):
+    """``--tokenizer``, loaded (or None)."""
+    if args.tokenizer is None:
+        return None
+    from kvref.simulate.text import load_text_tokenizer
+
+    return load_text_tokenizer(args.tokenizer)
 
 
 def _run_with_progress(requests, pool, options):
@@ -360,6 +377,8 @@ def _sweep(args, console) -> int:
                 max_output_tokens=args.max_output_tokens,
                 kv_cache_tokens=(args.kv_cache_tokens if args.kv_cache_tokens is not None
                                  else float("inf")))
+    if args.tokenizer is not None:
+        base["tokenizer"] = args.tokenizer
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     load_trace_check(args)
@@ -414,4 +433,5 @@ def load_trace_check(args) -> None:
     """Fail in the caller with one line, before workers start, if the trace is bad."""
     from kvref.simulate.traces import load_trace
 
-    load_trace(args.trace, max_requests=min(args.max_requests or 10, 10), skip=args.skip)
+    load_trace(args.trace, max_requests=min(args.max_requests or 10, 10), skip=args.skip,
+               tokenizer=_tokenizer(args))

@@ -5,11 +5,12 @@ No vLLM counterpart. The engine is kvref's own (``kvref.sched.scheduler.Schedule
 replay on with 0 divergent steps, ``tests/engine/test_vllm_scheduler_traces.py``);
 what is added here is the clock, the runner and the bookkeeping:
 
-* ``SimulationRunner``: a "model" that emits token ``OUTPUT_TOKEN_BASE +
-  position`` when a step's tokens reach a request's last token. Outputs depend
-  on the prompt (through the block hashes they chain to) and on nothing the
-  scheduler does, like a greedy model's; cheap, unlike ``ModelFreeRunner``'s
-  hash of the whole sequence per token.
+* ``SimulationRunner``: a "model" that emits, when a step's tokens reach a
+  request's last token, the next token of the reply the trace gives for it
+  (``output_token_ids``), or else the stand-in ``OUTPUT_TOKEN_BASE +
+  position``, a token no prompt contains. Outputs depend on the request and
+  on nothing the scheduler does, like a greedy model's; cheap, unlike
+  ``ModelFreeRunner``'s hash of the whole sequence per token.
 * Arrivals: ``"order"`` adds the next request only when the engine is empty
   (one request after another, as Mooncake's Figure 9 replays its traces);
   ``"timestamps"`` adds each request when the clock passes its arrival. The
@@ -102,10 +103,12 @@ class SimulationRunner:
 
     def __init__(self, requests: dict[str, EngineRequest],
                  on_step: Callable[[SchedulerOutput], None] | None = None,
-                 kv_connector=None) -> None:
+                 kv_connector=None, replies: dict[str, list[int]] | None = None) -> None:
         self.requests = requests
         self.on_step = on_step
         self.kv_connector = kv_connector
+        # request id -> the reply to generate (the trace's output_token_ids)
+        self.replies = replies if replies is not None else {}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return execute_with_connector(self.kv_connector, scheduler_output, self._execute)
@@ -118,8 +121,15 @@ class SimulationRunner:
         for rid in req_ids:
             request = self.requests[rid]
             # The scheduler has already counted this step's tokens as computed.
-            reached_end = request.num_computed_tokens >= request.num_tokens
-            sampled.append([OUTPUT_TOKEN_BASE + request.num_tokens] if reached_end else [])
+            if request.num_computed_tokens < request.num_tokens:
+                sampled.append([])
+                continue
+            reply = self.replies.get(rid)
+            position = request.num_tokens - request.num_prompt_tokens   # outputs so far
+            if reply is not None and position < len(reply):
+                sampled.append([reply[position]])
+            else:
+                sampled.append([OUTPUT_TOKEN_BASE + request.num_tokens])
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled)
@@ -163,6 +173,9 @@ class SimulationResult:
 
     num_requests: int = 0
     num_rejected: int = 0                 # prompt >= max_model_len: vLLM refuses them
+    # requests whose reply the trace gave (generated as given); the others got
+    # stand-in tokens, so a later prompt that resends their reply misses on it
+    requests_with_replies: int = 0
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0
     prompt_tokens_cached_once: int = 0    # each request's first-admission hit
@@ -214,6 +227,7 @@ class SimulationResult:
     def to_json(self, per_request: bool = False) -> dict:
         doc = {
             "num_requests": self.num_requests, "num_rejected": self.num_rejected,
+            "requests_with_replies": self.requests_with_replies,
             "prompt_tokens": self.prompt_tokens,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "prompt_tokens_cached_once": self.prompt_tokens_cached_once,
@@ -416,6 +430,11 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
         raise ValueError(f"arrivals must be 'order' or 'timestamps', got {arrivals!r}")
     if max_output_tokens is not None and max_output_tokens < 1:
         raise ValueError(f"max_output_tokens must be >= 1, got {max_output_tokens}")
+    if max_num_batched_tokens < max_num_seqs:
+        # vllm/config/scheduler.py:286-291: vLLM refuses to start.
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                         f"max_num_seqs ({max_num_seqs}), or vLLM refuses to start; lower "
+                         "--max-num-seqs too")
 
     def out_len(r: TraceRequest) -> int:
         return r.max_tokens if max_output_tokens is None else min(r.max_tokens,
@@ -469,8 +488,9 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
     zeros = [0] * manager.num_kv_cache_groups
     manager.get_num_common_prefix_blocks = lambda request_id: list(zeros)
     observer = _Observer(manager, scheduler)
+    replies: dict[str, list[int]] = {}
     core = EngineCore(scheduler, SimulationRunner(scheduler.requests, observer.on_step,
-                                                  kv_connector=worker))
+                                                  kv_connector=worker, replies=replies))
 
     result = SimulationResult(num_gpu_blocks=pool.num_blocks, block_size=pool.block_size,
                               kv_cache_tokens=pool.tokens, pool=pool.how, arrivals=arrivals,
@@ -493,6 +513,9 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
             return
         scheduler.new_request(r.request_id, r.prompt_token_ids(),
                               SamplingParams(max_tokens=out_len(r), ignore_eos=True))
+        if r.output_tokens is not None:
+            replies[r.request_id] = r.output_tokens
+            result.requests_with_replies += 1
         arrived_at[r.request_id] = clock
         result.prompt_tokens += r.input_length
         result.num_requests += 1
@@ -519,6 +542,7 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
             result.queue_delays_s.append(clock - arrived_at.pop(rid))
         for request in step.finished:
             observer.on_finished(request)
+            replies.pop(request.request_id, None)
             result.output_tokens += len(request.output_token_ids)
             nxt = followups.pop(request.request_id, None)
             if nxt is not None:

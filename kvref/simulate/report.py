@@ -10,7 +10,7 @@ from kvref.math_utils import cdiv
 from kvref.simulate.attribution import CAUSES
 from kvref.simulate.engine import SimulationResult
 
-__all__ = ["render_report", "sparkline"]
+__all__ = ["render_report", "reply_words", "sparkline"]
 
 # What each cause means, in a few words (specs/simulate.md has the rules).
 CAUSE_WORDS = {
@@ -49,6 +49,20 @@ def _pct(values, q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def reply_words(r: SimulationResult) -> str:
+    """Whose tokens the simulated model generated, and what that does to the hits."""
+    stand_in = ("stand-in tokens no prompt contains: a later prompt that resends such a "
+                "reply computes it again (counted under first_occurrence); give each "
+                "line's reply (output_token_ids, or output text with --tokenizer)")
+    if r.requests_with_replies == 0:
+        return f"the trace gives none, so the model generated {stand_in}"
+    if r.requests_with_replies == r.num_requests:
+        return ("the server's, as the trace gives them for every request: a later prompt "
+                "that resends one hits on it as on vLLM")
+    return (f"the server's for the {r.requests_with_replies:,} of {r.num_requests:,} "
+            f"requests whose line gives one; for the others, {stand_in}")
+
+
 def render_report(result: SimulationResult, trace: str = "trace") -> Group:
     r = result
     head = Table.grid(padding=(0, 2))
@@ -56,6 +70,7 @@ def render_report(result: SimulationResult, trace: str = "trace") -> Group:
                  + (f" ({r.num_rejected} rejected: prompt >= max_model_len)"
                     if r.num_rejected else "")
                  + f", {r.prompt_tokens:,} prompt tokens, {r.output_tokens:,} generated")
+    head.add_row("replies", reply_words(r))
     head.add_row("KV cache", f"{r.num_gpu_blocks:,} blocks of {r.block_size} "
                  f"({r.kv_cache_tokens:,} tokens){': ' + r.pool if r.pool else ''}")
     head.add_row("scheduler", f"max_num_batched_tokens {r.max_num_batched_tokens}, "

@@ -58,7 +58,12 @@ def run_point(trace: str, max_requests: int | None, point: dict, base: dict | No
     settings.update(point)
     tokens = settings.pop("kv_cache_tokens", float("inf"))
     block_size = settings.pop("block_size", 16)
-    requests = load_trace(trace, max_requests=max_requests)
+    tokenizer = settings.pop("tokenizer", None)       # a name: each worker loads its own
+    if tokenizer is not None:
+        from kvref.simulate.text import load_text_tokenizer
+
+        tokenizer = load_text_tokenizer(tokenizer)
+    requests = load_trace(trace, max_requests=max_requests, tokenizer=tokenizer)
     if tokens == float("inf"):
         num_blocks = blocks_never_evicting(requests, block_size,
                                            max_output_tokens=settings.get("max_output_tokens"))

@@ -1,7 +1,7 @@
-"""Request traces for ``kvref simulate``: Mooncake's, a plain JSONL of prompts, or a file name.
+"""Request traces for ``kvref simulate``: Mooncake's, a JSONL of prompts (ids, text, chat).
 
 No vLLM counterpart. A trace is a list of ``TraceRequest``: a prompt, how many
-tokens to generate, and when it arrives. Two line formats are read, one JSON
+tokens to generate, and when it arrives. These line formats are read, one JSON
 object per line, gzip-compressed or not (the first line decides):
 
 * **Mooncake** (FAST'25, ``kvref/data/mooncake/``)::
@@ -27,6 +27,28 @@ object per line, gzip-compressed or not (the first line decides):
   ``max_tokens`` defaults to 1; the arrival is ``arrival_s`` (seconds) or
   ``timestamp`` (milliseconds, as Mooncake's), 0 when absent; ``request_id``
   is optional.
+
+  The reply the server gave may come too, as ``output_token_ids`` (the ids
+  vLLM's response carries). Then the simulated model generates exactly those
+  tokens, as many as there are (``max_tokens``, if given, must allow them):
+  a later request that resends the reply finds it cached, as it would on vLLM,
+  which caches a reply's blocks as they fill during decode. Without a reply
+  the model generates stand-in tokens no prompt contains, so a resent reply
+  is computed again (cause ``first_occurrence``)::
+
+      {"prompt_token_ids": [1, 2, 3], "output_token_ids": [7, 8, 2]}
+
+* **Text and chat**, with a tokenizer (``--tokenizer``; ``text.py`` says how
+  each is tokenized, as vLLM's server does): ``"prompt"`` text (the line of
+  vLLM's offline analyzer proposal, ``{"id": ..., "prompt": TEXT}``) or
+  OpenAI chat ``"messages"``, with the reply as ``"output"`` text or
+  ``output_token_ids``; a line of OpenAI's batch format
+  (``{"custom_id": ..., "body": {"messages": [...], "max_tokens": N}}``, as
+  ``vllm run-batch`` reads it) is its ``body``. ``max_completion_tokens`` is
+  read as ``max_tokens``; the id is ``request_id``, ``id`` or ``custom_id``::
+
+      {"id": "a", "prompt": "You are a helpful assistant.", "output": "Hello!"}
+      {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}
 
 A bad line is one line of error naming the file and line (``TraceError``).
 """
@@ -61,6 +83,8 @@ class TraceRequest:
     arrival_s: float
     block_ids: tuple[int, ...] | None = None     # Mooncake: the 512-token block ids
     tokens: list[int] | None = None              # plain: the prompt itself
+    # plain: the reply the server gave (``max_tokens`` is its length), or None
+    output_tokens: list[int] | None = None
     # A kvref workload's follow-up: arrives when request ``after`` finishes, its
     # prompt made from that request's tokens by ``prompt_from``.
     after: str | None = None
@@ -126,25 +150,94 @@ def _mooncake(obj: dict, index: int, where: str) -> TraceRequest:
                         _int(obj, "timestamp", where, default=0) / 1000.0, block_ids=tuple(ids))
 
 
-def _plain(obj: dict, index: int, where: str) -> TraceRequest:
-    tokens = obj.get("prompt_token_ids")
-    if not isinstance(tokens, list) or not tokens or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise TraceError(f"{where}: 'prompt_token_ids' must be a non-empty list of integers")
+PLAIN_KEYS = ("prompt_token_ids", "prompt", "messages", "body")
+
+
+def _text(obj: dict, key: str, where: str, tokenizer, encode) -> list[int]:
+    """``obj[key]`` turned into token ids by ``encode`` (a ``TextTokenizer`` method)."""
+    if tokenizer is None:
+        raise TraceError(f"{where}: {key!r} is text: give --tokenizer (the served model's "
+                         "tokenizer: a folder, or a Hugging Face name in the local cache) "
+                         "to turn it into token ids as vLLM's server does")
+    try:
+        tokens = encode(obj[key])
+    except Exception as exc:               # a template or tokenizer error: one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TraceError(f"{where}: cannot tokenize {key!r}: {first}") from None
+    if not tokens:
+        raise TraceError(f"{where}: {key!r} gives no tokens")
+    return tokens
+
+
+def _prompt_tokens(obj: dict, where: str, tokenizer) -> list[int]:
+    if "prompt_token_ids" in obj:
+        tokens = obj["prompt_token_ids"]
+        if not isinstance(tokens, list) or not tokens or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise TraceError(f"{where}: 'prompt_token_ids' must be a non-empty list of "
+                             "integers")
+        return tokens
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise TraceError(f"{where}: 'prompt' must be non-empty text (token ids go in "
+                             "'prompt_token_ids')")
+        return _text(obj, "prompt", where, tokenizer,
+                     tokenizer.completion if tokenizer else None)
+    from kvref.simulate.text import check_messages
+
+    try:
+        check_messages(obj.get("messages"))
+    except ValueError as exc:
+        raise TraceError(f"{where}: {exc}") from None
+    return _text(obj, "messages", where, tokenizer, tokenizer.chat if tokenizer else None)
+
+
+def _plain(obj: dict, index: int, where: str, tokenizer=None) -> TraceRequest:
+    if "body" in obj and "prompt_token_ids" not in obj:      # OpenAI's batch format
+        body = obj["body"]
+        if not isinstance(body, dict):
+            raise TraceError(f"{where}: 'body' must be a JSON object (OpenAI's batch format)")
+        obj = body | {k: v for k, v in obj.items() if k in ("custom_id", "arrival_s",
+                                                             "timestamp", "output",
+                                                             "output_token_ids")}
+    if not any(k in obj for k in PLAIN_KEYS[:3]):
+        raise TraceError(f"{where}: no prompt: give 'prompt_token_ids', 'prompt' text or "
+                         "chat 'messages'")
+    if "max_tokens" not in obj and "max_completion_tokens" in obj:
+        obj = obj | {"max_tokens": obj["max_completion_tokens"]}
+    tokens = _prompt_tokens(obj, where, tokenizer)
     if "arrival_s" in obj:
         arrival = obj["arrival_s"]
         if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or arrival < 0:
             raise TraceError(f"{where}: 'arrival_s' must be a number >= 0, got {arrival!r}")
     else:
         arrival = _int(obj, "timestamp", where, default=0) / 1000.0
-    rid = obj.get("request_id", f"r{index}")
-    return TraceRequest(str(rid), len(tokens), _int(obj, "max_tokens", where, minimum=1,
-                                                    default=1), float(arrival), tokens=tokens)
+    rid = next((obj[k] for k in ("request_id", "id", "custom_id") if k in obj), f"r{index}")
+    reply = obj.get("output_token_ids")
+    if reply is None and "output" in obj:
+        if not isinstance(obj["output"], str) or not obj["output"]:
+            raise TraceError(f"{where}: 'output' must be the reply's non-empty text (token "
+                             "ids go in 'output_token_ids')")
+        reply = _text(obj, "output", where, tokenizer, tokenizer.reply if tokenizer else None)
+    if reply is None:
+        return TraceRequest(str(rid), len(tokens), _int(obj, "max_tokens", where, minimum=1,
+                                                        default=1), float(arrival), tokens=tokens)
+    if not isinstance(reply, list) or not reply or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in reply):
+        raise TraceError(f"{where}: 'output_token_ids' must be a non-empty list of integers "
+                         "(the reply's token ids)")
+    limit = _int(obj, "max_tokens", where, minimum=1, default=len(reply))
+    if limit < len(reply):
+        raise TraceError(f"{where}: the reply has {len(reply)} tokens but 'max_tokens' is "
+                         f"{limit}: a server could not have generated it")
+    return TraceRequest(str(rid), len(tokens), len(reply), float(arrival), tokens=tokens,
+                        output_tokens=reply)
 
 
 def load_trace(trace: str | Path, max_requests: int | None = None,
-               skip: int = 0) -> list[TraceRequest]:
-    """Requests ``skip .. skip + max_requests`` of a trace file (or vendored trace name)."""
+               skip: int = 0, tokenizer=None) -> list[TraceRequest]:
+    """Requests ``skip .. skip + max_requests`` of a trace file (or vendored trace name).
+    ``tokenizer``: a ``kvref.simulate.text.TextTokenizer``, for text and chat lines."""
     if max_requests is not None and max_requests < 1:
         raise TraceError(f"max_requests must be at least 1, got {max_requests}")
     if skip < 0:
@@ -166,15 +259,17 @@ def load_trace(trace: str | Path, max_requests: int | None = None,
         if parse is None:
             if "hash_ids" in obj:
                 parse = _mooncake
-            elif "prompt_token_ids" in obj:
+            elif any(k in obj for k in PLAIN_KEYS):
                 parse = _plain
             else:
                 raise TraceError(f"{where}: neither a Mooncake line ('hash_ids') nor a plain "
-                                 "one ('prompt_token_ids')")
+                                 "one ('prompt_token_ids', 'prompt' text, chat 'messages', "
+                                 "or a batch line's 'body')")
         index = number - 1
         if index < skip:
             continue
-        request = parse(obj, index, where)
+        request = (parse(obj, index, where, tokenizer) if parse is _plain
+                   else parse(obj, index, where))
         if request.request_id in seen_ids:
             raise TraceError(f"{where}: duplicate request_id {request.request_id!r}")
         seen_ids.add(request.request_id)

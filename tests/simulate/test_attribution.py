@@ -126,7 +126,7 @@ def test_vllm_counts_a_query_per_admission_attempt():
     (and counted) every step it waits, so queries exceed the prompt tokens."""
     reqs = [req(0, range(1000, 1040), out=8), req(1, range(2000, 2040), out=8)]
     r = run(reqs, num_blocks=5, arrivals="timestamps", max_model_len=60,
-            max_num_batched_tokens=64)
+            max_num_batched_tokens=64, max_num_seqs=8)
     assert r.prefix_cache_queries > r.prompt_tokens
     assert r.hit_ratio_once == 0.0 and r.prompt_tokens == 80
 
