@@ -62,8 +62,10 @@ def chat_log() -> list[dict]:
 
 def save_tokenizer(folder: Path) -> None:
     """A word-level tokenizer of the log's words: split at spaces, BOS added to a
-    completion, the chat template above."""
-    import transformers
+    completion, the chat template above. ``tokenizer.json`` is written by
+    ``tokenizers``; ``tokenizer_config.json`` by hand, naming the plain
+    ``PreTrainedTokenizerFast`` rather than whatever class the installed
+    ``transformers`` would write."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     words = sorted({w for _, m, r in TURNS for w in (m + " " + r).split()} | set(SYSTEM.split()))
@@ -72,11 +74,13 @@ def save_tokenizer(folder: Path) -> None:
     model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     model.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        additional_special_tokens=SPECIAL[3:])
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    model.add_special_tokens(SPECIAL)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 4096,
+              "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write(out: Path) -> list[Path]:
@@ -84,7 +88,21 @@ def write(out: Path) -> list[Path]:
     log = out / "chat_log.jsonl"
     log.write_text("".join(json.dumps(line) + "\n" for line in chat_log()))
     save_tokenizer(out / "tokenizer")
-    return [log, *sorted((out / "tokenizer").iterdir())]
+    return [log, out / "tokenizer" / "tokenizer.json", out / "tokenizer" / "tokenizer_config.json"]
+
+
+def _same(name: str, a: Path, b: Path) -> bool:
+    """The same file; ``tokenizer.json`` compared by what it means (a newer
+    ``tokenizers`` may write it in other words): vocabulary, special tokens,
+    pre-tokenizer and post-processor."""
+    if not (a.is_file() and b.is_file()):
+        return False
+    if not name.endswith("tokenizer.json"):
+        return a.read_bytes() == b.read_bytes()
+    x, y = json.loads(a.read_text()), json.loads(b.read_text())
+    meaning = lambda t: (t["model"]["vocab"], sorted(tok["content"] for tok in t["added_tokens"]),
+                         t["pre_tokenizer"]["type"], t["post_processor"]["single"])
+    return meaning(x) == meaning(y)
 
 
 def differences(out: Path = OUT) -> list[str]:
@@ -92,8 +110,7 @@ def differences(out: Path = OUT) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         fresh = write(Path(tmp))
         return [str(p.relative_to(tmp)) for p in fresh
-                if not (out / p.relative_to(tmp)).is_file()
-                or (out / p.relative_to(tmp)).read_bytes() != p.read_bytes()]
+                if not _same(p.name, out / p.relative_to(tmp), p)]
 
 
 def main(argv=None) -> int:

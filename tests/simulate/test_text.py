@@ -157,8 +157,10 @@ def test_a_bad_text_line_is_one_line(tmp_path, tokenizer, line, words):
 def test_a_tokenizer_without_a_chat_template_refuses_messages(tmp_path, folder):
     plain = tmp_path / "plain"
     plain.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (plain / name).write_bytes((folder / "tokenizer" / name).read_bytes())
+    (plain / "tokenizer.json").write_bytes((folder / "tokenizer" / "tokenizer.json").read_bytes())
+    config = json.loads((folder / "tokenizer" / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
     path = lines_file(tmp_path, [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(TraceError, match="has no chat template"):
         load_trace(path, tokenizer=load_text_tokenizer(str(plain)))
