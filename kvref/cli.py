@@ -219,7 +219,7 @@ def cmd_record(args, console: Console) -> int:
         raise UsageError(f"kvref record: cannot write {args.output}: {exc.strerror}") from None
     s = summarize(trace)
     console.print(f"wrote {args.output}: {s.num_ops} ops, {s.num_steps} steps, "
-                  f"{_n(s.num_requests, 'request')}, hit rate {s.hit_rate:.0%}")
+                  f"{_n(s.num_requests, 'request')}, vLLM's hit rate {s.hit_rate:.0%}")
     return 0
 
 

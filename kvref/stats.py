@@ -36,3 +36,22 @@ class PrefixCacheStats:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
+
+
+# The words every kvref command, lesson and page uses for these figures (kvref's
+# own; vLLM prints only the first, as "Prefix cache hit rate"):
+#
+# * HIT_RATE: ``hits / queries`` of the lookups of requests never preempted, the
+#   ratio of vLLM's ``vllm:prefix_cache_hits`` and ``vllm:prefix_cache_queries``
+#   counters (``vllm/v1/metrics/loggers.py:1088-1093``; its log line takes the
+#   same ratio over the last 1000 requests, ``vllm/v1/metrics/stats.py:42``).
+#   A request waiting for blocks is looked up, and counted, each step it waits.
+# * PREEMPTED_APART: the lookups of requests preempted before, which vLLM
+#   counts apart (``preempted_queries``, ``preempted_hits``): each retry after
+#   a preemption is a query, so they can add up to more than the prompt tokens.
+# * SERVED_ONCE: prompt tokens served from the cache at each request's first
+#   admission, over all prompt tokens: each request counted once.
+HIT_RATE = "vLLM's hit rate"
+PREEMPTED_APART = "preempted requests, counted apart"
+SERVED_ONCE = "served from the cache, once per request"
+RETRIES_ARE_QUERIES = "each retry after a preemption is a query"

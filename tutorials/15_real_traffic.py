@@ -59,12 +59,17 @@ REPO = Path(kvref.__file__).resolve().parent.parent
 # token) one GPU is too slow for this traffic, so requests queue: Mooncake
 # served it with a cluster.
 #
-# One thing to know when reading vLLM's own counters: `vllm:prefix_cache_queries`
-# counts a lookup each time the scheduler tries to admit a request
+# The report names three figures the way every kvref command does
+# (`kvref/stats.py`). **vLLM's hit rate** is hits over queries as vLLM's
+# `vllm:prefix_cache_hits` and `vllm:prefix_cache_queries` count them: a lookup
+# each time the scheduler tries to admit a request
 # (`vllm/v1/core/kv_cache_manager.py:231-244`), and a request refused for
-# lack of blocks is tried again next step. Under that kind of pressure the
-# queries exceed the prompt tokens and vLLM's hit rate reads low;
-# `hit_ratio_once` counts each request once.
+# lack of blocks is tried again next step, so under that kind of pressure the
+# queries exceed the prompt tokens and the rate reads low. **Preempted
+# requests, counted apart**: a resumed request's lookups, which vLLM keeps out
+# of that rate (each retry after a preemption is a query). **Served from the
+# cache, once per request** (`hit_ratio_once`): the prompt tokens each
+# request's first admission took from the cache, over all prompt tokens.
 
 # %%
 section("1. The conversation trace on one GPU")
@@ -262,9 +267,10 @@ claim(every.prompt_tokens_cached_once == 3 * 1920, "all: 3 x 1,920 tokens hit")
 # A preempted request resumes by looking its own blocks up again; those hits
 # are its own work from before, not sharing. vLLM 0.25.1 counts such lookups
 # apart (`preempted_queries`, `preempted_hits`, not in
-# `vllm:prefix_cache_hits`). Six unrelated requests in a pool too small for
-# them all: no prompt shares anything, vLLM's hit counter stays at 0, and
-# the preempted lookups hit; added together, as the report saw them, they
+# `vllm:prefix_cache_hits`): kvref's report shows them as "preempted
+# requests, counted apart". Six unrelated requests in a pool too small for
+# them all: no prompt shares anything, vLLM's hit rate stays at 0, and the
+# preempted lookups hit; added together, as the issue's report saw them, they
 # would show a hit rate where nothing is shared.
 
 # %%

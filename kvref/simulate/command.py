@@ -317,7 +317,11 @@ def _workload(args, console) -> int:
         json.dump(result.to_json(per_request=args.per_request), sys.stdout)
         sys.stdout.write("\n")
     else:
-        console.print(render_report(result, trace=f"workload {args.workload}"))
+        follow_ups = any(r.after is not None for r in requests)
+        console.print(render_report(result, trace=f"workload {args.workload}", replies=(
+            "the model's stand-in tokens; the workload's follow-up turns are made from "
+            "the tokens generated, so a resent reply hits as on vLLM" if follow_ups else
+            "the model's stand-in tokens (no request of this workload resends a reply)")))
     return 0
 
 
@@ -396,11 +400,12 @@ def _sweep(args, console) -> int:
         return 0
     table = Table(title=f"{args.trace}: {len(points)} points")
     names = list(points[0])
-    # The single run's words and units: "served once from the cache", "vLLM's hit rate".
+    # The single run's words (kvref.stats): served from the cache once per request,
+    # vLLM's hit rate.
     # Headers broken into short lines by hand: at 80 columns rich would cut
     # "block-size" to "block-si…" rather than wrap it.
     headers = [name.replace("_", "-\n") for name in names] + [
-        "served\nonce", "vLLM's\nhit rate", "computed", "preemp-\ntions", "run s"]
+        "served\nonce per\nrequest", "vLLM's\nhit rate", "computed", "preemp-\ntions", "run s"]
     for header in headers:
         table.add_column(header, justify="right")
     errors = []

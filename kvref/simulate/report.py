@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvref.math_utils import cdiv
+from kvref.stats import HIT_RATE, PREEMPTED_APART, RETRIES_ARE_QUERIES, SERVED_ONCE
 from kvref.simulate.attribution import CAUSES
 from kvref.simulate.engine import SimulationResult
 
@@ -63,24 +64,28 @@ def reply_words(r: SimulationResult) -> str:
             f"requests whose line gives one; for the others, {stand_in}")
 
 
-def render_report(result: SimulationResult, trace: str = "trace") -> Group:
+def render_report(result: SimulationResult, trace: str = "trace",
+                  replies: str | None = None) -> Group:
+    """``replies``: what to say of the generated tokens, if not ``reply_words``."""
     r = result
     head = Table.grid(padding=(0, 2))
     head.add_row("trace", f"{trace}: {r.num_requests:,} request{'' if r.num_requests == 1 else 's'}"
                  + (f" ({r.num_rejected} rejected: prompt >= max_model_len)"
                     if r.num_rejected else "")
                  + f", {r.prompt_tokens:,} prompt tokens, {r.output_tokens:,} generated")
-    head.add_row("replies", reply_words(r))
+    head.add_row("replies", replies or reply_words(r))
     head.add_row("KV cache", f"{r.num_gpu_blocks:,} blocks of {r.block_size} "
                  f"({r.kv_cache_tokens:,} tokens){': ' + r.pool if r.pool else ''}")
     head.add_row("scheduler", f"max_num_batched_tokens {r.max_num_batched_tokens}, "
                  f"max_num_seqs {r.max_num_seqs}, max_model_len {r.max_model_len:,}; "
                  f"arrivals: {r.arrivals}")
-    head.add_row("prefix cache", f"vLLM's hit rate {r.prefix_cache_hit_rate:.1%} "
-                 f"({r.prefix_cache_hits:,} hits / {r.prefix_cache_queries:,} queries; "
-                 f"preempted requests apart: {r.preempted_prefix_cache_hits:,} / "
-                 f"{r.preempted_prefix_cache_queries:,})")
-    head.add_row("", f"served once from the cache: {r.hit_ratio_once:.1%} of prompt tokens "
+    head.add_row("prefix cache", f"{HIT_RATE} {r.prefix_cache_hit_rate:.1%} "
+                 f"({r.prefix_cache_hits:,} hits / {r.prefix_cache_queries:,} queries, "
+                 "in tokens)")
+    if r.preempted_prefix_cache_queries:
+        head.add_row("", f"{PREEMPTED_APART}: {r.preempted_prefix_cache_hits:,} hits / "
+                     f"{r.preempted_prefix_cache_queries:,} queries ({RETRIES_ARE_QUERIES})")
+    head.add_row("", f"{SERVED_ONCE}: {r.hit_ratio_once:.1%} of prompt tokens "
                  f"({r.prompt_tokens_cached_once:,}); computed: {r.prompt_tokens_computed:,}")
     if r.num_cpu_blocks:
         head.add_row("host tier", f"{r.kv_offloading_size:g} GiB: {r.num_cpu_blocks:,} blocks; "

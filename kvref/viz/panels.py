@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvref.core.kv_cache_manager import KVCacheManager
+from kvref.stats import HIT_RATE, PREEMPTED_APART, RETRIES_ARE_QUERIES, SERVED_ONCE
 from kvref.viz.player import OpFacts, TracePlayer, TraceSummary
 from kvref.viz.pool import render_free_queue, render_grid
 from kvref.viz.tables import compress_ids, render_block_tables, render_prefix_tree
@@ -194,7 +195,7 @@ def render_stats(player: TracePlayer) -> Text:
     rows = (("usage     ", [h.usage for h in history], 1.0, f"{history[-1].usage:.0%}"),
             ("evictable ", [h.evictable_cached for h in history], size,
              plural(history[-1].evictable_cached, "block")),
-            ("hit rate  ", [h.hit_rate for h in history], 1.0,
+            ("hit rate  ", [h.hit_rate for h in history], 1.0,     # vLLM's (kvref.stats)
              f"{history[-1].hit_rate:.0%} ({history[-1].hits}/{history[-1].queries} tokens)"))
     for label, values, top, now in rows:
         text.append(label)
@@ -245,18 +246,21 @@ def render_summary(summary: TraceSummary, title: str = "summary") -> Table:
     table.add_column("value", justify="right")
     table.add_row("steps / ops / requests",
                   f"{summary.num_steps} / {summary.num_ops} / {summary.num_requests}")
-    table.add_row("prefix-cache hit rate (per lookup, as vLLM counts)",
+    table.add_row(f"{HIT_RATE} (hits / queries)",
                   f"{summary.hit_rate:.1%} ({summary.hits} of {summary.queries} tokens)")
-    table.add_row("prompt tokens saved (per admission)", str(summary.prompt_tokens_saved))
+    if summary.preempted_queries:
+        table.add_row(PREEMPTED_APART, f"{summary.preempted_hits} of "
+                      f"{summary.preempted_queries} tokens")
+    table.add_row(SERVED_ONCE, f"{summary.served_once_ratio:.1%} ({summary.served_once} of "
+                  f"{summary.prompt_tokens} prompt tokens)")
     table.add_row("cached blocks evicted", str(summary.evictions))
     table.add_row("preemptions", str(summary.preemptions))
     notes = [f"Frames number steps 0-{summary.num_steps - 1} and ops "
              f"0-{summary.num_ops - 1}."]
-    if summary.prompt_tokens_saved != summary.hits:
-        notes.append(f"Hit tokens ({summary.hits}) and prompt tokens saved "
-                     f"({summary.prompt_tokens_saved}) differ by definition: a lookup "
-                     "counts its hit even when the admission after it is refused (no room), "
-                     "and again each time it is retried; only an admission that gets its "
-                     "blocks saves prompt tokens.")
+    if summary.queries + summary.preempted_queries != summary.prompt_tokens:
+        notes.append(f"vLLM counts a query each time the scheduler looks a request up: "
+                     "again each step a request waits for room, and again after a "
+                     f"preemption ({PREEMPTED_APART}: {RETRIES_ARE_QUERIES}); "
+                     f"{SERVED_ONCE} counts each request's first admission only.")
     table.caption = " ".join(notes)
     return table

@@ -160,7 +160,8 @@ class TracePlayer:
         self.position = 0
         self.facts: list[OpFacts] = []
         self.history: list[StepStats] = []
-        self._queries = self._hits = 0
+        self._queries = self._hits = 0                      # vLLM's counters
+        self._preempted_queries = self._preempted_hits = 0  # counted apart, as vLLM's
         self._state = self.replayer.initial_observation()["state"]
         # block id -> the ops that touched it; cached block id -> its parent in the
         # hash chain (hex hash, or None for a request's first block); request -> its ops.
@@ -229,6 +230,8 @@ class TracePlayer:
         req = self.replayer.requests.get(op.get("req")) if "req" in op else None
         status = req.status.name if req is not None else None
         num_tokens = req.num_tokens if req is not None else None
+        # vLLM counts a preempted request's lookups apart (kvref.stats.PrefixCacheStats).
+        preempted = req is not None and getattr(req, "num_preemptions", 0) > 0
         queued = len(self.manager.block_pool.kv_event_queue)
         try:
             observed = self.replayer.run(op)
@@ -264,8 +267,12 @@ class TracePlayer:
         elif op["op"] == "get_computed_blocks" and ret is not None:
             facts.hit_tokens = ret["num_computed_tokens"]
             facts.query_tokens = num_tokens
-            self._queries += num_tokens
-            self._hits += facts.hit_tokens
+            if preempted:
+                self._preempted_queries += num_tokens
+                self._preempted_hits += facts.hit_tokens
+            else:
+                self._queries += num_tokens
+                self._hits += facts.hit_tokens
         self.facts.append(facts)
         self._state = after
         self.position += 1
@@ -341,16 +348,27 @@ def _touched(before: dict, after: dict) -> list[int]:
 
 @dataclass
 class TraceSummary:
-    """Totals over a whole trace (what ``kvref demo`` ends with)."""
+    """Totals over a whole trace (what ``kvref demo`` ends with), named as
+    ``kvref.stats`` names them: ``queries`` and ``hits`` are vLLM's counters
+    (requests never preempted), the preempted requests' apart;
+    ``served_once`` is each request's hit at its first admission."""
 
     num_ops: int
     num_steps: int
     num_requests: int
     queries: int
     hits: int
-    prompt_tokens_saved: int
+    prompt_tokens_saved: int           # hits of every admission that got its blocks
     evictions: int
     preemptions: int
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    prompt_tokens: int = 0
+    served_once: int = 0
+
+    @property
+    def served_once_ratio(self) -> float:
+        return self.served_once / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -365,6 +383,7 @@ def summarize(trace: dict) -> TraceSummary:
     player = TracePlayer(trace)
     player.seek(len(player.ops))
     pending: dict[str, int] = {}
+    first_admission: dict[str, int] = {}
     saved = 0
     for facts in player.facts:
         op = facts.op
@@ -372,12 +391,19 @@ def summarize(trace: dict) -> TraceSummary:
             pending[op["req"]] = facts.hit_tokens
         elif op["op"] == "allocate_slots" and op["req"] in pending:
             hit = pending.pop(op["req"])
-            if facts.observed.get("ret") is not None and op.get("new_computed_blocks") == "last":
-                saved += hit
+            if facts.observed.get("ret") is None:
+                continue                            # refused: no room, tried again later
+            # Admitted: the lookup's hit counts only if its blocks were passed in.
+            used = hit if op.get("new_computed_blocks") == "last" else 0
+            saved += used
+            first_admission.setdefault(op["req"], used)
+    added = [op for op in player.ops if op["op"] == "add_request"]
     return TraceSummary(
-        num_ops=len(player.ops), num_steps=len(player.steps),
-        num_requests=sum(1 for op in player.ops if op["op"] == "add_request"),
+        num_ops=len(player.ops), num_steps=len(player.steps), num_requests=len(added),
         queries=player._queries, hits=player._hits, prompt_tokens_saved=saved,
         evictions=sum(len(f.evicted) for f in player.facts),
-        preemptions=sum(1 for f in player.facts if f.is_preemption))
+        preemptions=sum(1 for f in player.facts if f.is_preemption),
+        preempted_queries=player._preempted_queries, preempted_hits=player._preempted_hits,
+        prompt_tokens=sum(len(op.get("prompt", ())) for op in added),
+        served_once=sum(first_admission.values()))
 

@@ -43,7 +43,8 @@ def test_demo_without_animation_ends_with_the_summary():
     out = result.stdout
     assert "kvref demo: prefix-caching" in out and "step 8/8" in out
     assert "plays no role" in out                            # the fixed step-5 story
-    for figure in ("hit rate", "prompt tokens saved", "evicted", "preemptions"):
+    for figure in ("vLLM's hit rate", "served from the cache, once per request", "evicted",
+                   "preemptions"):
         assert figure in out
 
 

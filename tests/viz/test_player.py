@@ -58,7 +58,8 @@ def test_summary_counts_match_the_facts(pressure):
     player.seek(len(player.ops))
     assert s.preemptions == sum(f.is_preemption for f in player.facts) >= 1
     assert s.evictions == sum(len(f.evicted) for f in player.facts) >= 1
-    assert 0 < s.prompt_tokens_saved <= s.hits <= s.queries
+    assert 0 < s.prompt_tokens_saved <= s.hits + s.preempted_hits <= s.queries + s.preempted_queries
+    assert s.served_once <= s.prompt_tokens_saved and s.hits <= s.queries
     assert s.num_requests == 8
 
 
