@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ from kvref.sched.scheduler import Scheduler
 from kvref.kv_cache_interface import FullAttentionSpec
 from kvref.math_utils import cdiv
 from kvref.simulate.attribution import CAUSES, MissLedger, PrefixHistory
+from kvref.simulate.lazy_pool import lazy_block_pools
 from kvref.simulate.sizing import PoolSize
 from kvref.simulate.traces import TraceRequest
 
@@ -407,8 +409,8 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
              on_progress: Callable[[int, int], None] | None = None,
              max_timeline: int = 2000, max_steps: int | None = None,
              manager_factory: Callable[..., KVCacheManager] | None = None,
-             kv_offloading_size: float | None = None, kv_offload_copy_steps: int = 1
-             ) -> SimulationResult:
+             kv_offloading_size: float | None = None, kv_offload_copy_steps: int = 1,
+             lazy_pool: bool = True) -> SimulationResult:
     """Run ``requests`` through vLLM 0.25.1's scheduler and KV cache (kvref's) on ``pool``.
 
     Defaults are ``vllm serve``'s on a GPU of 70 GiB or more (8192 tokens and
@@ -425,6 +427,10 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
     as the engine's does, and the runner a ``HostTierWorker`` whose copies are
     found done ``kv_offload_copy_steps`` steps after their launch. After the last
     request the engine steps on until the stores in flight are done.
+
+    ``lazy_pool``: the device pool makes each block when it is first handed out
+    (``lazy_pool.py``: the same blocks in the same order as the plain pool, at a
+    cost that grows with the blocks used); False builds vLLM's plain pool.
     """
     if arrivals not in ("order", "timestamps"):
         raise ValueError(f"arrivals must be 'order' or 'timestamps', got {arrivals!r}")
@@ -466,11 +472,13 @@ def simulate(requests: Sequence[TraceRequest], pool: PoolSize, *,
 
     started = time.perf_counter()
     scheduler_block_size, hash_block_size = _block_sizes(pool, enable_prefix_caching)
-    manager = (manager_factory or KVCacheManager)(
-        pool.kv_cache_config, max_model_len=max_model_len,
-        scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
-        max_num_batched_tokens=max_num_batched_tokens, enable_caching=enable_prefix_caching,
-        log_stats=True, watermark=watermark, retention_interval=None)
+    with lazy_block_pools() if lazy_pool else nullcontext():
+        manager = (manager_factory or KVCacheManager)(
+            pool.kv_cache_config, max_model_len=max_model_len,
+            scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_caching=enable_prefix_caching, log_stats=True, watermark=watermark,
+            retention_interval=None)
     scheduler = Scheduler(manager, max_num_batched_tokens=max_num_batched_tokens,
                           max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           long_prefill_token_threshold=long_prefill_token_threshold,
