@@ -57,7 +57,7 @@ def add_simulate_parser(sub, usage_error: type[Exception] = ValueError
     p.add_argument("--tokenizer", metavar="DIR_OR_NAME",
                    help="the served model's tokenizer (a folder, or a Hugging Face name in "
                    "the local cache), for lines with 'prompt' text, chat 'messages' or "
-                   "'output' text; needs pip install 'kvref[engine]'")
+                   "'output' text; needs pip install 'kvref[text]'")
     p.add_argument("--max-requests", type=int, metavar="N", help="the first N requests only")
     p.add_argument("--skip", type=int, default=0, metavar="N", help="skip the first N requests")
     g = p.add_argument_group("time")

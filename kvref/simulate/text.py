@@ -22,8 +22,8 @@ tokens were exactly these (decoding and encoding again may merge pieces
 differently): ``output_token_ids`` is the exact reply, when a log has it.
 
 The tokenizer is a local folder (never downloaded) or a Hugging Face name
-already in the local cache, loaded with ``transformers`` (the ``engine``
-extra); lines of token ids need none.
+already in the local cache, loaded with ``transformers`` (the ``text``
+extra, no torch); lines of token ids need none.
 """
 
 from __future__ import annotations
@@ -78,10 +78,15 @@ def check_messages(messages) -> list[dict]:
 def load_text_tokenizer(name_or_folder: str) -> TextTokenizer:
     """A tokenizer from a local folder, or a Hugging Face name in the local cache;
     a ``ValueError`` of one line when it cannot be loaded."""
+    import os
+
+    # Without torch (the ``text`` extra) transformers warns at import that it can
+    # load no models: true, and not needed for a tokenizer. Unless asked for.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         import transformers
     except ImportError:
-        raise ValueError("--tokenizer needs transformers: pip install 'kvref[engine]'") from None
+        raise ValueError("--tokenizer needs transformers: pip install 'kvref[text]'") from None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(name_or_folder),
                                                                local_files_only=True)
