@@ -215,10 +215,14 @@ def _plain(obj: dict, index: int, where: str, tokenizer=None) -> TraceRequest:
     rid = next((obj[k] for k in ("request_id", "id", "custom_id") if k in obj), f"r{index}")
     reply = obj.get("output_token_ids")
     if reply is None and "output" in obj:
-        if not isinstance(obj["output"], str) or not obj["output"]:
-            raise TraceError(f"{where}: 'output' must be the reply's non-empty text (token "
-                             "ids go in 'output_token_ids')")
-        reply = _text(obj, "output", where, tokenizer, tokenizer.reply if tokenizer else None)
+        if not isinstance(obj["output"], str):
+            raise TraceError(f"{where}: 'output' must be the reply's text (token ids go in "
+                             "'output_token_ids')")
+        # An empty reply text (the model generated only special tokens) resends
+        # nothing: the request generates stand-in tokens, as one without a reply.
+        if obj["output"].strip():
+            reply = _text(obj, "output", where, tokenizer,
+                          tokenizer.reply if tokenizer else None)
     if reply is None:
         return TraceRequest(str(rid), len(tokens), _int(obj, "max_tokens", where, minimum=1,
                                                         default=1), float(arrival), tokens=tokens)

@@ -143,7 +143,7 @@ def test_text_without_a_tokenizer_is_one_line(tmp_path, line, words):
      r"message 0 \(user\): 'content' must be text"),
     ({"prompt": ""}, "'prompt' must be non-empty text"),
     ({"prompt": [1, 2]}, "'prompt' must be non-empty text"),
-    ({"prompt": "hi", "output": ["x"]}, "'output' must be the reply's non-empty text"),
+    ({"prompt": "hi", "output": ["x"]}, "'output' must be the reply's text"),
     ({"body": "x"}, "'body' must be a JSON object"),
     ({"body": {"model": "m"}}, "no prompt: give 'prompt_token_ids', 'prompt' text or chat"),
     ({"max_tokens": 3}, "no prompt"),
@@ -173,3 +173,17 @@ def test_a_tokenizer_that_cannot_be_loaded_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "--tokenizer" in err and "nothing-here" in err
+
+
+def test_an_empty_reply_text_resends_nothing(tmp_path, tokenizer):
+    """A reply of special tokens only has empty text: the line is read, without a reply."""
+    path = lines_file(tmp_path, [{"prompt": "When do you open ?", "output": "", "max_tokens": 3},
+                                 {"prompt": "When do you open ?", "output": "We open"}])
+    empty, given = load_trace(path, tokenizer=tokenizer)
+    assert empty.output_tokens is None and empty.max_tokens == 3
+    assert given.output_tokens == tokenizer.reply("We open")
+
+
+def test_a_tokenizer_with_a_workload_is_refused(capsys):
+    assert main(["simulate", "--workload", "chat", "--tokenizer", "docs/examples/tokenizer"]) == 2
+    assert "--tokenizer reads a trace's text" in capsys.readouterr().err
