@@ -107,7 +107,7 @@ def test_a_simulation_is_the_same_on_both_pools(case):
     if case == "mooncake":
         requests, pool = load_trace("conversation", max_requests=60), pool_from_tokens(6000)
         options["max_output_tokens"] = 8
-    elif case == "pressure":           # preemptions and evictions in a tiny pool
+    elif case == "pressure":           # preemptions in a tiny pool
         requests, pool = pressure_requests(), pool_from_tokens(9)
         options["max_model_len"] = 96
     elif case == "host tier":
@@ -123,7 +123,8 @@ def test_a_simulation_is_the_same_on_both_pools(case):
     plain = simulate(requests, pool, step_time=StepTime(), lazy_pool=False, **options)
     assert summary(lazy) == summary(plain)
     if case == "pressure":
-        assert lazy.num_preemptions > 0 and lazy.misses_by_cause["evicted_before_reuse"] >= 0
+        # the case does what it is for: requests preempted and computed again
+        assert lazy.num_preemptions > 0 and lazy.misses_by_cause["recompute_after_preemption"] > 0
 
 
 def test_the_recorded_steps_have_the_same_block_ids(tmp_path):
