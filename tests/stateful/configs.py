@@ -14,14 +14,13 @@ from kvref import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheManager,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
 from kvref.math_utils import cdiv
+
+from . import backend
 
 
 @dataclass(frozen=True)
@@ -104,11 +103,11 @@ class ModelConfig:
     def num_blocks(self) -> int:
         return 1 + self.blocks_for_one_request() + self.spare_blocks
 
-    def make_manager(self) -> KVCacheManager:
-        groups = [KVCacheGroupSpec([f"layer.{i}"], spec, is_eagle_group=i in self.eagle_groups)
-                  for i, spec in enumerate(self.specs)]
-        return KVCacheManager(
-            KVCacheConfig(self.num_blocks, groups), max_model_len=self.max_model_len,
+    def make_manager(self):
+        """The backend's ``KVCacheManager`` (kvref's or vLLM's, ``backend.py``)."""
+        return backend.make_manager(
+            backend.make_kv_cache_config(self.num_blocks, self.specs, self.eagle_groups),
+            max_model_len=self.max_model_len,
             scheduler_block_size=self.scheduler_block_size,
             hash_block_size=self.hash_block_size,
             max_num_batched_tokens=self.max_num_batched_tokens,

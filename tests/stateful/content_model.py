@@ -23,7 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvref import CrossAttentionSpec, KVCacheBlock, KVCacheSpec, MambaSpec
+from kvref import CrossAttentionSpec, KVCacheSpec, MambaSpec
+
+from .backend import KVCacheBlock, free_blocks_in_order
 
 from .exact_model import return_to_queue, skipped_tokens
 
@@ -95,7 +97,7 @@ class PoolObserver:
     def __init__(self, pool, on_reuse: Callable[[int], None]) -> None:
         self.pool = pool
         self.on_reuse = on_reuse
-        self.free_list = [b.block_id for b in pool.free_block_queue]
+        self.free_list = [b.block_id for b in free_blocks_in_order(pool.free_block_queue)]
         self.refs = {b.block_id: 0 for b in pool.blocks[1:]}
         self.positions: dict[int, tuple[int, int]] | None = None
         self.handed_out: list[int] = []   # every block get_new_blocks returned, in order

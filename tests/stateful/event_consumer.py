@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvref import AllBlocksCleared, BlockRemoved, BlockStored
-from kvref.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+from .backend import AllBlocksCleared, BlockRemoved, BlockStored, index_items, kv_cache_utils
 
 
 class EventConsumer:
@@ -45,8 +44,10 @@ class EventConsumer:
 def pool_index_as_events_see_it(pool) -> Counter:
     """The pool's own index in the events' terms: ``(group, hash) -> blocks``."""
     seen: Counter = Counter()
-    for key, _block in pool.cached_block_hash_to_block.items():
-        seen[(get_group_id(key), maybe_convert_block_hash(get_block_hash(key)))] += 1
+    utils = kv_cache_utils
+    for key, _block in index_items(pool.cached_block_hash_to_block):
+        seen[(utils.get_group_id(key),
+              utils.maybe_convert_block_hash(utils.get_block_hash(key)))] += 1
     return seen
 
 

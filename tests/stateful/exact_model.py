@@ -22,18 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import kvref.core.kv_cache_utils as kv_cache_utils
 from kvref import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
-    KVCacheBlock,
     KVCacheSpec,
     MambaSpec,
-    RequestStatus,
     SlidingWindowSpec,
-    sha256,
 )
 from kvref.math_utils import cdiv
+
+from .backend import KVCacheBlock, RequestStatus, kv_cache_utils, sha256
 
 
 def skipped_tokens(spec: KVCacheSpec, num_computed: int) -> int:

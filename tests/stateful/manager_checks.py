@@ -17,6 +17,7 @@ from hypothesis import event
 from kvref import CrossAttentionSpec, MambaSpec
 from kvref.math_utils import cdiv
 
+from .backend import free_blocks_in_order, index_items
 from .event_consumer import assert_consumer_agrees
 from .content_model import Content, blocks_read_from, first_token_read
 
@@ -184,7 +185,7 @@ class ManagerChecks:
 
     def _pool_state(self):
         """(free queue, model refs, block hashes, blocks handed out so far this step)."""
-        return (ids(self.pool.free_block_queue), dict(self.observer.refs), self._hashes(),
+        return (ids(free_blocks_in_order(self.pool.free_block_queue)), dict(self.observer.refs), self._hashes(),
                 len(self.observer.handed_out))
 
     def _holders(self) -> dict[int, int]:
@@ -211,7 +212,7 @@ class ManagerChecks:
 
     def _check_free_queue(self):
         queue = self.pool.free_block_queue
-        forward = ids(queue)
+        forward = ids(free_blocks_in_order(queue))
         backward, node = [], queue.fake_free_list_tail.prev_free_block
         while node is not queue.fake_free_list_head and len(backward) <= len(self.pool.blocks):
             backward.append(node.block_id)
@@ -233,7 +234,7 @@ class ManagerChecks:
         assert null.prev_free_block is None and null.next_free_block is None, \
             "INV-POOL-6: the null block was put in the free queue"
         assert not any(b.is_null for b in self.pool.blocks[1:]), "INV-POOL-2: a second null block"
-        for _key, block in self.pool.cached_block_hash_to_block.items():
+        for _key, block in index_items(self.pool.cached_block_hash_to_block):
             assert not block.is_null, "INV-POOL-3: the null block is indexed"
 
     def _check_usage_and_leaks(self):
@@ -248,7 +249,7 @@ class ManagerChecks:
                 f"INV-MGR-1 (leak): nothing runs, yet only {free} of {usable} blocks are free"
 
     def _check_cached_contents(self):
-        for key, block in self.pool.cached_block_hash_to_block.items():
+        for key, block in index_items(self.pool.cached_block_hash_to_block):
             assert block.block_hash == key, \
                 f"INV-HASH-1: block {block.block_id} is indexed under another key"
             held = self.content.get(block.block_id)

@@ -19,21 +19,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvref import (
+from kvref import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvref.math_utils import cdiv
+
+from . import backend
+from .backend import (
     BlockHashListWithBlockSize,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheManager,
-    MambaSpec,
     Request,
-    SlidingWindowSpec,
     get_request_block_hasher,
     init_none_hash,
     make_block_hash_with_group_id,
     sha256,
 )
-from kvref.math_utils import cdiv
 
 CONFIGS = {
     "full": (FullAttentionSpec(4),),
@@ -47,11 +44,11 @@ CONFIGS = {
 }
 
 
-def _manager(specs) -> KVCacheManager:
+def _manager(specs):
     sizes = [s.block_size for s in specs]
-    config = KVCacheConfig(64, [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)])
-    return KVCacheManager(config, max_model_len=256, scheduler_block_size=math.lcm(*sizes),
-                          hash_block_size=math.gcd(*sizes))
+    return backend.make_manager(backend.make_kv_cache_config(64, specs), max_model_len=256,
+                                scheduler_block_size=math.lcm(*sizes),
+                                hash_block_size=math.gcd(*sizes))
 
 
 def _blocks_read(spec, num_blocks: int) -> range:

@@ -41,7 +41,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvref import (
+from kvref.verify.invariants import check
+
+from .backend import (
     LoRARequest,
     Request,
     RequestStatus,
@@ -49,8 +51,6 @@ from kvref import (
     init_none_hash,
     sha256,
 )
-from kvref.verify.invariants import check
-
 from .configs import CONFIGS, ModelConfig
 from .event_consumer import EventConsumer
 from .manager_checks import ManagerChecks, ids

@@ -51,20 +51,18 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from kvref import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
+from kvref import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+from .backend import (
     LoRARequest,
     MultiModalFeatureSpec,
     PlaceholderRange,
     Request,
     RequestStatus,
-    SlidingWindowSpec,
     get_request_block_hasher,
+    kv_cache_utils,
     sha256,
 )
-import kvref.core.kv_cache_utils as kv_cache_utils
-
 from .configs import ModelConfig
 from .exact_model import (
     cdiv,
