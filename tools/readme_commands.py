@@ -100,6 +100,13 @@ CHEAP: dict[str, tuple[str, str]] = {
         "python3 tools/setup_vllm_venv.py --dry-run build/vllm-venv",
         "building vLLM's environment downloads a wheel and torch; the dry run prints every "
         "step it would take"),
+    "python3 tools/vllm_machines.py": (
+        "python3 tools/vllm_machines.py -- -q tests/stateful/test_free_queue_machine.py",
+        "one machine on vLLM's KV layer (seconds); every machine on it is "
+        "tests/on_vllm/test_machines_on_vllm.py's, in CI's suite"),
+    "python3 tools/vllm_seeded_bugs.py": (
+        "python3 tools/vllm_seeded_bugs.py -k hit-cap-off-by-one -j 1",
+        "one bug through all four checks (about a minute) instead of 34 (about 20 minutes)"),
     "python3 benchmarks/simulate_vs_vllm.py": (
         "python3 benchmarks/simulate_vs_vllm.py --max-requests 20 --max-output-tokens 8 "
         "--kvref-only",
