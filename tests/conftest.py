@@ -2,6 +2,9 @@
 
     pytest tests/stateful                              # "ci": the default, ~3 minutes on 2 cores
     pytest tests/stateful --hypothesis-profile=deep    # many more and longer runs
+    pytest tests/stateful --kv-backend vllm            # the machines on vLLM's KV layer
+                                                       # (in a Python where vLLM imports;
+                                                       # --vllm-src PATH: that vllm/ package)
 
 Hypothesis' pytest plugin provides ``--hypothesis-profile`` and loads the named
 profile in its ``pytest_configure``, which runs after this file is imported; so

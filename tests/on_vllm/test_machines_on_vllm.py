@@ -86,3 +86,30 @@ def test_every_check_left_out_on_vllm_says_why():
         assert backend.checks(name)
     with pytest.raises(KeyError):
         backend.checks("a check nobody listed")
+
+
+# What a machine may take from kvref itself: the spec classes that describe a
+# config (turned into vLLM's by the backend), arithmetic, and kvref's snapshot
+# checker (which reads only what kvref and vLLM share). Everything it drives
+# comes from tests/stateful/backend.py.
+DESCRIPTIONS = {"ChunkedLocalAttentionSpec", "CrossAttentionSpec", "FullAttentionSpec",
+                "KVCacheSpec", "MambaSpec", "SlidingWindowSpec"}
+HELPERS = {"kvref.math_utils": {"cdiv"}, "kvref.verify.invariants": {"check"}}
+
+
+def test_the_machines_take_what_they_drive_from_the_backend():
+    import ast
+    stateful = ROOT / "tests" / "stateful"
+    for path in sorted(stateful.glob("*.py")):
+        if path.name == "backend.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("kvref") for a in node.names), \
+                    f"{path.name} imports a kvref module whole: take it from backend.py"
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvref"):
+                names = {a.name for a in node.names}
+                allowed = DESCRIPTIONS if node.module == "kvref" else HELPERS.get(node.module, set())
+                assert names <= allowed, (
+                    f"{path.name} takes {sorted(names - allowed)} from {node.module}: what a "
+                    "machine drives comes from tests/stateful/backend.py")

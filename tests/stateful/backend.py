@@ -32,7 +32,10 @@ The seam is small on purpose, and every difference between kvref and vLLM
 - ``partial_entry_keys``: the extra index keys of a block, a set on vLLM;
 - ``EVICT_OUT_OF_RANGE``, ``POPLEFT_N_TOO_MANY``: how a bad call is refused.
 
-A newer vLLM goes in as one more entry of ``_VLLM_DIFFERENCES`` if it needs one.
+A newer vLLM whose API moved (``tools/vllm_versions.py`` lists 0.33.0's changes:
+``max_in_flight_tokens=``, a third value from ``get_computed_blocks``, the retention
+interval in ``KVCacheConfig``) is bridged here the same way, leaving the machines as
+they are.
 A check the machines make on kvref that cannot be made on vLLM is named in
 ``UNCHECKABLE_ON_VLLM`` with its reason and skipped only there (``checks``);
 every other check runs unchanged on both.
