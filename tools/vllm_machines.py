@@ -50,8 +50,10 @@ def ensure_test_packages(python: str) -> None:
 
 
 def machines_command(python: str, vllm_src: str | None, pytest_args: list[str]) -> list[str]:
-    cmd = [python, "-m", "pytest", "tests/stateful", "--kv-backend", "vllm",
-           "-p", "no:cacheprovider"]
+    # Test files or node ids among the arguments replace the whole folder.
+    chosen = any(arg.startswith("tests/stateful") for arg in pytest_args)
+    cmd = [python, "-m", "pytest", *([] if chosen else ["tests/stateful"]),
+           "--kv-backend", "vllm", "-p", "no:cacheprovider"]
     if vllm_src:
         cmd += ["--vllm-src", vllm_src]
     return cmd + pytest_args

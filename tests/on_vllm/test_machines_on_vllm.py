@@ -113,3 +113,16 @@ def test_the_machines_take_what_they_drive_from_the_backend():
                 assert names <= allowed, (
                     f"{path.name} takes {sorted(names - allowed)} from {node.module}: what a "
                     "machine drives comes from tests/stateful/backend.py")
+
+
+def test_files_given_to_the_tool_replace_the_whole_folder():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import vllm_machines
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    whole = vllm_machines.machines_command("py", None, ["-q"])
+    assert whole[:4] == ["py", "-m", "pytest", "tests/stateful"]
+    one = vllm_machines.machines_command("py", "/src", ["tests/stateful/test_free_queue_machine.py"])
+    assert "tests/stateful" not in one and one[-1] == "tests/stateful/test_free_queue_machine.py"
+    assert one[one.index("--vllm-src") + 1] == "/src"
