@@ -21,7 +21,7 @@ that copy, each in the oracle's Python with the copy first on the path:
    on vLLM 0.25.1) replayed on the copy: killed at the first trace that
    diverges (or raises).
 
-    python3 tools/vllm_seeded_bugs.py                 # every bug (about 30 minutes on 2 cores)
+    python3 tools/vllm_seeded_bugs.py                 # every bug (about 20 minutes on 2 cores)
     python3 tools/vllm_seeded_bugs.py -k swa          # bugs whose id contains "swa"
     python3 tools/vllm_seeded_bugs.py --list          # the catalogue
     python3 tools/vllm_seeded_bugs.py --check         # every edit applies to the oracle's vLLM
@@ -301,10 +301,12 @@ def stage_vllm_tests(cache: Path) -> Path:
     return stage
 
 
-def run_vllm_tests(python: str, stage: Path, cache: Path, src: Path | None, files: list[str],
-                   out: Path, timeout: int, only: list[str] | None = None) -> dict:
-    """vLLM's tests in ``files`` (or the node ids ``only``) on the vLLM under ``src``
-    (None: the oracle's own): ``{nodeid: outcome}``; ``{"timeout": True}`` past ``timeout``."""
+def run_vllm_tests(python: str, stage: Path, cache: Path, src: Path | None, tests: list[str],
+                   out: Path, timeout: int, stop_at_first: bool = True) -> dict:
+    """vLLM's ``tests`` (files or node ids) on the vLLM under ``src`` (None: the
+    oracle's own), in the environment ``tools/vllm_unit_tests.py`` runs them in:
+    the plugin's outcomes (``{"outcomes": {nodeid: outcome}, "messages": ...}``),
+    ``{"timeout": True}`` past ``timeout``, or ``{"error": why}``."""
     env = dict(os.environ)
     paths = ([str(src)] if src else []) + [str(TOOLS), str(ROOT), str(stage)]
     env.update(PYTHONPATH=os.pathsep.join(paths), KVREF_OUTCOMES=str(out), KVREF_SWAP="0",
@@ -316,8 +318,10 @@ def run_vllm_tests(python: str, stage: Path, cache: Path, src: Path | None, file
                                env=env, capture_output=True, text=True, timeout=300)
         if not where.stdout.strip().startswith(str(src / "vllm")):
             return {"error": f"vLLM's tests would import {where.stdout.strip()}, not the copy"}
-    cmd = [python, "-m", "pytest", "-q", "-x", "-p", "vllm_kvref_plugin", "-p",
-           "no:cacheprovider", "-W", "ignore", "--rootdir", str(stage), *(only or files)]
+    out.unlink(missing_ok=True)
+    cmd = [python, "-m", "pytest", "-q", *(["-x"] if stop_at_first else []), "-p",
+           "vllm_kvref_plugin", "-p", "no:cacheprovider", "-W", "ignore", "--rootdir",
+           str(stage), *tests]
     try:
         subprocess.run(cmd, cwd=stage, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -332,24 +336,14 @@ def baseline(python: str, stage: Path, cache: Path, timeout: int) -> dict[str, l
     tool = _load_unit_tests_tool()
     passing = {}
     for kind, files in (("kv", tool.KV_LAYER_FILES), ("scheduler", tool.SCHEDULER_FILES)):
-        out = cache / f"baseline_{kind}.json"
-        out.unlink(missing_ok=True)
-        outcomes = _run_all(python, stage, cache, files, out, timeout)
+        outcomes = run_vllm_tests(python, stage, cache, None, files,
+                                  cache / f"baseline_{kind}.json", timeout,
+                                  stop_at_first=False)
+        if "outcomes" not in outcomes:
+            sys.exit(f"vllm_seeded_bugs: vLLM's {kind} tests did not run on the unmodified "
+                     f"vLLM: {outcomes}")
         passing[kind] = sorted(n for n, o in outcomes["outcomes"].items() if o == "passed")
     return passing
-
-
-def _run_all(python, stage, cache, files, out, timeout) -> dict:
-    """As ``run_vllm_tests`` on the oracle's vLLM, without stopping at a failure."""
-    env = dict(os.environ)
-    env.update(PYTHONPATH=os.pathsep.join([str(TOOLS), str(ROOT), str(stage)]),
-               KVREF_OUTCOMES=str(out), KVREF_SWAP="0", PYTHONHASHSEED="0",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(cache / "hf"),
-               KVREF_CPU_PLATFORM="1", VLLM_LOGGING_LEVEL="ERROR")
-    cmd = [python, "-m", "pytest", "-q", "-p", "vllm_kvref_plugin", "-p", "no:cacheprovider",
-           "-W", "ignore", "--rootdir", str(stage), *files]
-    subprocess.run(cmd, cwd=stage, env=env, capture_output=True, text=True, timeout=timeout)
-    return json.loads(out.read_text())
 
 
 def vllm_tests_verdict(outcomes: dict) -> tuple[str, str]:
@@ -384,9 +378,10 @@ def run_machines(python: str, src: Path, timeout: int) -> tuple[str, str]:
         return "ERROR", out[-300:]
     failed = re.search(r"^FAILED (\S+)", out, re.M)
     test = failed.group(1).split("::")[0].split("/")[-1] if failed else "?"
-    found = _INVARIANT.search(out[out.find("Error"):] if "Error" in out else out)
-    first_error = next((line.strip()[2:].strip() for line in out.splitlines()
-                        if line.startswith("E   ")), "")
+    # The assertion's own lines (pytest's "E   "), not the source it quotes above them.
+    errors = [line[1:].strip() for line in out.splitlines() if line.startswith("E   ")]
+    found = _INVARIANT.search("\n".join(errors))
+    first_error = errors[0] if errors else ""
     raised_in_vllm = re.search(r"(vllm/v1/[\w/]+\.py):(\d+): (\w+(?:Error|Exception))", out)
     if found:
         what = found.group(1)
@@ -456,9 +451,8 @@ def run_bug(bug: VllmBug, args, vllm_dir: Path, stage: Path, cache: Path,
         src = seeded_copy(vllm_dir, bug, Path(tmp) / "src")
         row = {"bug": bug.bug_id, "file": bug.path, "description": bug.description}
         for kind in ("kv", "scheduler"):
-            outcomes = run_vllm_tests(args.python, stage, cache, src, [],
-                                      Path(tmp) / f"{kind}.json", args.timeout,
-                                      only=passing[kind])
+            outcomes = run_vllm_tests(args.python, stage, cache, src, passing[kind],
+                                      Path(tmp) / f"{kind}.json", args.timeout)
             row[f"vllm_{kind}_tests"] = vllm_tests_verdict(outcomes)
         row["machines"] = run_machines(args.python, src, args.timeout)
         row["traces"] = run_traces(args.python, src, args.timeout)
