@@ -319,6 +319,13 @@ def cmd_watch(args, console: Console) -> int:
             raise UsageError(f"{name} must be positive, got {value}")
     live = console.is_terminal and not args.json
     watchers = []
+    if not live:
+        import signal
+
+        def stop(signum, frame):          # SIGTERM ends the run as Ctrl-C does: a report
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
     try:
         with ExitStack() as stack:
             for rank in range(args.data_parallel_size):
@@ -357,7 +364,8 @@ def _watch_report(watchers, queries, as_json: bool, console: Console) -> None:
     answers = []
     for q in queries:
         rank, by_rank = best_answer(watchers, q.tokens)
-        answers.append({"query": q.name, **by_rank[rank]._asdict()})
+        answers.append({"query": q.name, **by_rank[rank]._asdict(),
+                        "index_exact": watchers[rank].unknown_since is None})
         if len(watchers) > 1:
             answers[-1].update(best_rank=rank, hit_tokens_by_rank=[a.hit_tokens for a in by_rank])
     if len(watchers) == 1:

@@ -67,30 +67,66 @@ def frozen(value: Any) -> Any:
     return tuple(frozen(v) for v in value) if isinstance(value, list) else value
 
 
+def _is_hash(value: Any) -> bool:
+    """vLLM's ExternalBlockHash: bytes, or an int (``kv_events.py``)."""
+    return isinstance(value, bytes) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
 def decode_event(item: Any) -> KVCacheEvent:
-    """One msgpack-decoded event map as kvref's event; ``ValueError`` if it is not one."""
+    """One msgpack-decoded event map as kvref's event; ``ValueError`` if it is not one.
+
+    Every field is checked against the type vLLM sends, so nothing that reaches the
+    index can make it fail later (a block size of 0, a hash that is a map)."""
     if not isinstance(item, dict) or item.get("type") not in EVENT_TYPES:
         kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-        raise ValueError(f"an event of type {kind!r} (vLLM sends {', '.join(EVENT_TYPES)})")
+        raise ValueError(f"an event of type {str(kind)[:40]!r} "
+                         f"(vLLM sends {', '.join(EVENT_TYPES)})")
     kind = item["type"]
     try:
-        if kind == "BlockStored":
-            extra = item.get("extra_keys")
-            return BlockStored(
-                block_hashes=list(item["block_hashes"]),
-                parent_block_hash=item["parent_block_hash"],
-                token_ids=list(item["token_ids"]), block_size=int(item["block_size"]),
-                lora_id=item["lora_id"], medium=item["medium"], lora_name=item["lora_name"],
-                extra_keys=None if extra is None else [frozen(k) for k in extra],
-                group_idx=item.get("group_idx"),
-                kv_cache_spec_kind=item.get("kv_cache_spec_kind"),
-                kv_cache_spec_sliding_window=item.get("kv_cache_spec_sliding_window"))
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+        hashes = item["block_hashes"]
+        _check(isinstance(hashes, list) and all(_is_hash(h) for h in hashes),
+               "block_hashes (a list of ints or bytes)")
+        group = item.get("group_idx")
+        _check(group is None or (_is_int(group) and group >= 0), "group_idx")
+        medium = item["medium"]
+        _check(medium is None or isinstance(medium, str), "medium")
         if kind == "BlockRemoved":
-            return BlockRemoved(block_hashes=list(item["block_hashes"]),
-                                medium=item["medium"], group_idx=item.get("group_idx"))
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"a {kind} without a valid {exc}") from None
-    return AllBlocksCleared()
+            return BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=group)
+        parent, tokens, size = item["parent_block_hash"], item["token_ids"], item["block_size"]
+        _check(parent is None or _is_hash(parent), "parent_block_hash")
+        _check(isinstance(tokens, list) and all(_is_int(t) for t in tokens), "token_ids")
+        _check(_is_int(size) and size > 0, "block_size (a positive int)")
+        extra = item.get("extra_keys")
+        _check(extra is None or (isinstance(extra, list) and len(extra) == len(hashes)),
+               "extra_keys (one per block)")
+        extra = None if extra is None else [frozen(k) for k in extra]
+        hash(tuple(extra or ()))                       # a map inside: TypeError
+        lora_id, lora_name = item["lora_id"], item["lora_name"]
+        _check(lora_id is None or _is_int(lora_id), "lora_id")
+        _check(lora_name is None or isinstance(lora_name, str), "lora_name")
+        spec_kind = item.get("kv_cache_spec_kind")
+        window = item.get("kv_cache_spec_sliding_window")
+        _check(spec_kind is None or isinstance(spec_kind, str), "kv_cache_spec_kind")
+        _check(window is None or (_is_int(window) and window > 0),
+               "kv_cache_spec_sliding_window")
+        return BlockStored(
+            block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(tokens),
+            block_size=size, lora_id=lora_id, medium=medium, lora_name=lora_name,
+            extra_keys=extra, group_idx=group, kv_cache_spec_kind=spec_kind,
+            kv_cache_spec_sliding_window=window)
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"a {kind} without a valid {str(exc)[:60]}") from None
 
 
 class Batch(NamedTuple):
@@ -102,22 +138,28 @@ class Batch(NamedTuple):
 
 def decode_message(frames: list[bytes]) -> Batch:
     """``[topic, seq, payload]`` as vLLM's publisher sends it; ``ValueError``
-    (saying what was found) for anything else."""
+    (saying what was found) for anything else, whatever the bytes."""
+    import math
+
     import msgspec
 
     if len(frames) != 3 or len(frames[1]) != 8:
-        sizes = ", ".join(f"{len(f)} bytes" for f in frames)
-        raise ValueError(f"{len(frames)} frames ({sizes}); vLLM sends 3: topic, an 8-byte "
-                         "sequence number, a msgpack KVEventBatch")
+        sizes = ", ".join(f"{len(f)} bytes" for f in frames[:4])
+        raise ValueError(f"{len(frames)} frames ({sizes}{', ...' if len(frames) > 4 else ''}); "
+                         "vLLM sends 3: topic, an 8-byte sequence number, a msgpack "
+                         "KVEventBatch")
     try:
         body = msgspec.msgpack.decode(frames[2])
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"a payload that is not msgpack ({exc})") from None
+    except (msgspec.DecodeError, RecursionError, ValueError, TypeError) as exc:
+        raise ValueError(f"a payload that is not msgpack ({str(exc)[:60]})") from None
     if not (isinstance(body, list) and 2 <= len(body) <= 3 and
-            isinstance(body[0], (int, float)) and isinstance(body[1], list)):
+            isinstance(body[0], (int, float)) and not isinstance(body[0], bool) and
+            math.isfinite(body[0]) and isinstance(body[1], list)):
         raise ValueError(f"a payload of {type(body).__name__} {str(body)[:60]!r}, not a "
                          "KVEventBatch [ts, events, data_parallel_rank]")
     rank = body[2] if len(body) == 3 else None
+    if not (rank is None or _is_int(rank)):
+        raise ValueError(f"a data_parallel_rank of {type(rank).__name__}, not an int")
     return Batch(int.from_bytes(frames[1], "big"), float(body[0]),
                  [decode_event(e) for e in body[1]], rank)
 
@@ -191,13 +233,17 @@ class PrefixCacheIndex:
     holders: Counter = field(default_factory=Counter)      # hash -> copies, all groups
     counts: Counter = field(default_factory=Counter)       # event type -> how many
     sparse_stores: int = 0
+    blocks_stored: int = 0                                 # blocks, not events
+    blocks_removed: int = 0
     coordinator_for: tuple | None = None                   # (groups, kvref coordinator)
 
     def apply(self, event: KVCacheEvent) -> None:
         self.counts[type(event).__name__] += 1
         if isinstance(event, BlockStored):
+            self.blocks_stored += len(event.block_hashes)
             self._store(event)
         elif isinstance(event, BlockRemoved):
+            self.blocks_removed += len(event.block_hashes)
             for h in event.block_hashes:
                 key = (event.group_idx, h)
                 if self.blocks[key] <= 1:
@@ -405,11 +451,9 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
 def watch_all(watchers: list, *, duration_s: float | None = None,
               max_batches: int | None = None, tick_s: float = 0.25) -> None:
     """Poll every watcher until ``duration_s`` has passed or they applied
-    ``max_batches`` batches between them."""
-    zmq = import_zmq()
-    poller = zmq.Poller()
-    for watcher in watchers:
-        poller.register(watcher.socket, zmq.POLLIN)
+    ``max_batches`` batches between them. Every wait inside is bounded, so the
+    deadline holds whatever the sockets do. ``WatchError`` when an endpoint is
+    not what it should be (see ``Watcher.fault``)."""
     start = time.monotonic()
     while True:
         left = None if duration_s is None else duration_s - (time.monotonic() - start)
@@ -417,9 +461,11 @@ def watch_all(watchers: list, *, duration_s: float | None = None,
                 (max_batches is not None and sum(w.batches for w in watchers) >= max_batches):
             return
         wait = tick_s if left is None else max(0.0, min(tick_s, left))
-        if poller.poll(int(wait * 1000)):
-            for watcher in watchers:
-                watcher.poll(0)
+        for watcher in watchers:
+            watcher.poll(wait / len(watchers))
+            fault = watcher.fault()
+            if fault:
+                raise WatchError(fault)
 
 
 # -- the socket -------------------------------------------------------------------------
@@ -442,8 +488,10 @@ def watcher_address(endpoint: str, host: str = "127.0.0.1") -> tuple[str, bool]:
     if endpoint.startswith("tcp://"):
         hostport = endpoint[len("tcp://"):]
         port = hostport.rsplit(":", 1)[-1] if ":" in hostport else ""
-        if not port.isdigit() or not 0 < int(port) < 65536:
+        if not port.isdigit():
             raise WatchError(f"{endpoint}: no port (tcp://HOST:PORT, e.g. tcp://*:5557)")
+        if not 0 < int(port) < 65536:
+            raise WatchError(f"{endpoint}: port {port} is out of range (1 to 65535)")
     if not server_binds(endpoint):
         return endpoint, True
     server_host, port = endpoint[len("tcp://"):].rsplit(":", 1) if endpoint.startswith(
@@ -453,6 +501,85 @@ def watcher_address(endpoint: str, host: str = "127.0.0.1") -> tuple[str, bool]:
     return endpoint, False                   # ipc://, or one address such as [::1]
 
 
+def bind_hint(endpoint: str, error: str) -> str:
+    """Why the watcher binds ``endpoint``, and what to give instead, in one line."""
+    port = endpoint.rsplit(":", 1)[-1]
+    return (f"cannot bind {endpoint}: {error}. The watcher binds because vLLM, given "
+            f"tcp://HOST:PORT, connects; give ENDPOINT exactly as vLLM was given it: its "
+            f"default tcp://*:{port} binds in vLLM, and the watcher then connects (--host)")
+
+
+CONNECT_WAIT_S = 5.0         # how long before "nothing is there" is said
+SILENCE_S = 30.0             # after a silence this long, the next batch is checked
+REPLAY_TIMEOUT_S = 1.0       # the most the replay socket may take for each message
+MAX_MESSAGE_BYTES = 64 << 20     # a larger frame drops the sender (ZMQ's MAXMSGSIZE)
+MAX_INDEX_BLOCKS = 1 << 22   # a batch that would grow the index past this is dropped
+MAX_REPLAY_BATCHES = 100_000     # vLLM keeps buffer_steps (10 000 by default)
+
+
+class Link:
+    """What ZMQ's socket monitor says of one socket's peer: ``state`` is
+    ``waiting`` (nothing yet), ``refused`` (connections refused), ``connected``
+    (a ZMQ handshake succeeded), ``wrong type`` (a TCP connection whose ZMQ
+    handshake failed: another socket type) or ``gone`` (the peer went away);
+    ``since``: monotonic time of the last change."""
+
+    def __init__(self, socket, zmq) -> None:
+        self.zmq, self.socket = zmq, socket
+        events = (zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED |
+                  zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED |
+                  zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.monitor = socket.get_monitor_socket(events)
+        self.state, self.since = "waiting", time.monotonic()
+        self.pending = 0                 # TCP connections not through the handshake yet
+        self.peers = 0
+        self.ever_connected = False
+
+    def _set(self, state: str) -> None:
+        if state != self.state:
+            self.state, self.since = state, time.monotonic()
+
+    def read(self) -> bool:
+        """Take the monitor's news; True when a connected peer went away."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        zmq, lost = self.zmq, False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.pending += 1
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.pending = max(0, self.pending - 1)
+                self.peers += 1
+                self.ever_connected = True
+                self._set("connected")
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                if not self.peers:
+                    self._set("wrong type")
+            elif event == zmq.EVENT_DISCONNECTED:
+                if self.pending:                 # dropped before its handshake
+                    self.pending -= 1
+                    if not self.peers:
+                        self._set("wrong type")
+                elif self.peers:
+                    self.peers -= 1
+                    if not self.peers:
+                        lost = True
+                        self._set("gone")
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self.peers and \
+                    self.state not in ("wrong type", "gone"):
+                self._set("refused")
+        return lost
+
+    def close(self) -> None:
+        try:
+            self.socket.disable_monitor()
+        except self.zmq.ZMQError:
+            pass
+        self.monitor.close(0)
+
+
 class Watcher:
     """A SUB socket on vLLM's KV events, and the index they build.
 
@@ -460,52 +587,91 @@ class Watcher:
     ``host``: where to reach a server that binds (``tcp://*:PORT``). With
     ``replay_endpoint`` (vLLM's ``replay_endpoint``, which vLLM binds), missed
     batches are asked for again, from seq 0 at the start.
+
+    The index follows the server, not the socket. vLLM's publisher numbers its
+    batches from 0 (``kv_events.py:329``, ``count()``) and a new server process
+    starts again, with an empty cache. So the watcher starts a new index when the
+    sequence goes back at a later time, and checks a batch before trusting it
+    after a gap, a lost connection or ``SILENCE_S`` of silence: with a replay
+    socket it asks for the last batch it applied, and a different batch there
+    means a different server, whose history it then replays from 0. What it
+    cannot check, it marks: ``unknown_since`` (wall time, reason).
     """
 
     def __init__(self, endpoint: str, *, host: str = "127.0.0.1", topic: str = "",
-                 replay_endpoint: str | None = None) -> None:
-        zmq = import_zmq()
+                 replay_endpoint: str | None = None, max_blocks: int = MAX_INDEX_BLOCKS,
+                 silence_s: float = SILENCE_S) -> None:
+        zmq = self.zmq = import_zmq()
 
         self.address, self.binds = watcher_address(endpoint, host)
-        replay_address = None if replay_endpoint is None else \
+        self.replay_address = None if replay_endpoint is None else \
             watcher_address(replay_endpoint, host)[0]      # vLLM binds it: we connect
+        if self.replay_address == self.address:
+            raise WatchError(f"--replay {replay_endpoint}: the event endpoint again; vLLM's "
+                             "replay_endpoint is a second port (its kv-events-config)")
+        self.max_blocks, self.silence_s = max_blocks, silence_s
         self.index = PrefixCacheIndex()
         self.next_seq: int | None = None
-        self.batches = 0                  # applied
+        self.last_ts: float | None = None     # the publisher's time of the last batch applied
+        self.first_seq: int | None = None     # this server's first batch applied
+        self.batches = 0                  # applied, every server
+        self.server_batches = 0           # applied since this index began
         self.received = 0                 # live messages read (applied or not)
-        self.restarts = 0
-        self.seq0_ts: float | None = None
-        self.missed = 0                   # batches never received (seq gaps)
-        self.first_seq: int | None = None
+        self.dropped = 0                  # messages that were not vLLM's KV events
+        self.last_dropped = ""
+        self.duplicates = 0               # batches already applied (from the replay socket)
+        self.restarts: list[tuple[float, str]] = []     # (wall time, how it was seen)
+        self.missed = 0                   # batches never received (seq gaps), this index
+        self.unknown_since: tuple[float, str] | None = None
+        self.check_next: str | None = None      # why the next batch must be checked
+        self.started = time.monotonic()
+        self.last_message: float | None = None  # monotonic time of the last message read
         self.ranks: set = set()
-        self.recent: deque = deque(maxlen=8)      # (ts, seq, event), the latest
-        self.last_ts: float | None = None
+        self.recent: deque = deque(maxlen=8)      # (ts, seq, event), this server's latest
+        self.replay_answers = 0           # messages the replay socket sent back
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.replay = None
-        self.replay_address = replay_address
-        self.pending_replays = 0          # replay requests not answered to the end yet
-        self.replay_answers = 0           # messages the replay socket sent back
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.link = Link(self.socket, zmq)
+        self.replay = self.replay_link = None
         try:
             if "[" in self.address:
                 self.socket.setsockopt(zmq.IPV6, 1)
             (self.socket.bind if self.binds else self.socket.connect)(self.address)
-            if replay_address is not None:
-                self.replay = self.context.socket(zmq.DEALER)
-                self.replay.setsockopt(zmq.LINGER, 0)
-                self.replay.connect(replay_address)
+            self._open_replay()
         except zmq.ZMQError as exc:
             self.close()
+            if self.binds and self.address.startswith("tcp://"):
+                raise WatchError(bind_hint(self.address, str(exc))) from None
             verb = "bind" if self.binds else "connect to"
             raise WatchError(f"cannot {verb} {self.address}: {exc}") from None
         self.catch_up()
 
+    # -- sockets ------------------------------------------------------------------------
+
+    def _open_replay(self) -> None:
+        if self.replay_address is None:
+            return
+        zmq = self.zmq
+        self.replay = self.context.socket(zmq.DEALER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.replay.setsockopt(zmq.SNDTIMEO, 0)
+        self.replay_link = Link(self.replay, zmq)
+        self.replay.connect(self.replay_address)
+
+    def _close_replay(self) -> None:
+        if self.replay is not None:
+            self.replay_link.close()
+            self.replay.close(0)
+            self.replay = None
+
     def close(self) -> None:
-        for sock in (self.socket, self.replay):
-            if sock is not None:
-                sock.close(0)
+        self._close_replay()
+        self.link.close()
+        self.socket.close(0)
         self.context.term()
 
     def __enter__(self) -> "Watcher":
@@ -514,100 +680,257 @@ class Watcher:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _read_links(self) -> None:
+        if self.link.read() and self.next_seq is not None:
+            self._mark_unknown("the server went away")
+            self.check_next = "the connection was lost"
+        if self.replay_link is not None:
+            self.replay_link.read()
+
+    # -- reading --------------------------------------------------------------------------
+
     def poll(self, timeout_s: float, max_messages: int = 1000) -> int:
         """Wait up to ``timeout_s`` for a message, then apply what has arrived (at
         most ``max_messages``, so a busy server still lets the screen redraw); the
-        number of batches applied. ``WatchError`` on a message that is not vLLM's."""
+        number of batches applied. A message that is not vLLM's is dropped and
+        counted (``dropped``, ``last_dropped``); it never raises for one."""
+        self._read_links()
         applied = 0
-        if not self.socket.poll(int(timeout_s * 1000)):
-            return 0
-        for _ in range(max_messages):
-            if not self.socket.poll(0):
-                break
-            frames = self.socket.recv_multipart()
-            try:
-                batch = decode_message(frames)
-            except ValueError as exc:
-                raise WatchError(f"{self.address}: message {self.received + 1} is not "
-                                 f"vLLM's KV events: {exc}") from None
-            self.received += 1
-            if batch.seq == 0 and self.next_seq and batch.ts != self.seq0_ts:
-                self.restart()          # a new publisher counts from 0: a new server
-            applied += self._receive(batch)
+        if self.socket.poll(int(timeout_s * 1000)):
+            self._read_links()            # a lost connection is news before its messages
+            for _ in range(max_messages):
+                if not self.socket.poll(0):
+                    break
+                applied += self.handle(self.socket.recv_multipart())
+        if (self.last_message is not None and self.check_next is None and
+                self.replay is not None and
+                time.monotonic() - self.last_message > self.silence_s):
+            self.check_next = f"no message for {self.silence_s:g} s"
         return applied
 
-    def restart(self) -> None:
-        """The server restarted (its sequence began again at 0): its cache is empty."""
-        self.restarts += 1
-        self.index = PrefixCacheIndex()
-        self.next_seq = self.first_seq = None
-        self.missed = 0
+    def handle(self, frames: list[bytes]) -> int:
+        """One live message: applied (1), or dropped, a duplicate, or a sign of a
+        new server (0 or what the replay socket gave)."""
+        self.received += 1
+        self.last_message = time.monotonic()
+        try:
+            batch = decode_message(frames)
+        except ValueError as exc:
+            self._drop(f"message {self.received} is not vLLM's KV events: {exc}")
+            return 0
+        why = None
+        if self.next_seq is not None:
+            if batch.seq < self.next_seq:
+                if batch.ts <= self.last_ts:
+                    self.duplicates += 1          # already applied, or out of order
+                    return 0
+                self._start_over(f"its batch numbers went back from {self.next_seq - 1} "
+                                 f"to {batch.seq}", restart=True)
+            elif batch.seq > self.next_seq:
+                why = f"batches {self.next_seq}..{batch.seq - 1} never arrived"
+            elif self.check_next:
+                why = self.check_next
+        self.check_next = None
+        applied = 0
+        if why is not None and self.replay is not None:
+            applied += self._resync(why)
+        elif why is not None:
+            self._mark_unknown(f"{why}; without --replay they cannot be fetched, nor a "
+                               "restarted server told apart")
+        elif self.next_seq is None and batch.seq > 0 and self.replay is not None:
+            applied += self.catch_up()                # this server's earlier batches
+        return applied + self._apply(batch)
 
-    def _receive(self, batch: Batch) -> int:
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.last_dropped = reason
+
+    def _mark_unknown(self, reason: str) -> None:
+        if self.unknown_since is None:
+            self.unknown_since = (time.time(), reason)
+
+    def _start_over(self, how: str, *, restart: bool) -> None:
+        """A new index: the server restarted (``restart``) or its history must be
+        read again from the replay socket."""
+        if restart:
+            self.restarts.append((time.time(), how))
+        self.index = PrefixCacheIndex()
+        self.next_seq = self.first_seq = self.last_ts = None
+        self.missed = self.server_batches = 0
+        self.unknown_since = None
+        self.recent.clear()
+
+    def _apply(self, batch: Batch) -> int:
+        if self.next_seq is not None and batch.seq < self.next_seq:
+            self.duplicates += 1
+            return 0
+        stores = sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+        if len(self.index.blocks) + stores > self.max_blocks:
+            self._drop(f"batch {batch.seq} would make the index hold more than "
+                       f"{self.max_blocks} blocks")
+            self._mark_unknown(f"batch {batch.seq} was dropped")
+            self.next_seq = batch.seq + 1
+            return 0
         expected = 0 if self.next_seq is None else self.next_seq
-        if batch.seq < expected and self.next_seq is not None:
-            return 0                                   # already applied (replayed)
-        if batch.seq > expected and self.replay is not None:
-            self.catch_up(timeout_s=1.0)               # the batches in between, first
-            if self.next_seq is not None and batch.seq < self.next_seq:
-                return 0
-            expected = 0 if self.next_seq is None else self.next_seq
-        self.missed += batch.seq - expected
+        if batch.seq > expected:
+            self.missed += batch.seq - expected
+            self._mark_unknown(f"{plural_batches(batch.seq - expected)} before batch "
+                               f"{batch.seq} never arrived")
         if self.first_seq is None:
             self.first_seq = batch.seq
-        if batch.seq == 0:
-            self.seq0_ts = batch.ts     # the live copy of a replayed batch is no restart
         for event in batch.events:
             self.index.apply(event)
             self.recent.append((batch.ts, batch.seq, event))
-        self.next_seq = batch.seq + 1
+        self.next_seq, self.last_ts = batch.seq + 1, batch.ts
         self.batches += 1
+        self.server_batches += 1
         self.ranks.add(batch.data_parallel_rank)
-        self.last_ts = batch.ts
         return 1
+
+    # -- the replay socket ----------------------------------------------------------------
+
+    def ask_replay(self, start: int, timeout_s: float = REPLAY_TIMEOUT_S) -> list[Batch] | None:
+        """Every batch vLLM's replay socket holds from ``start`` on, or None when it
+        does not answer within ``timeout_s`` a message (the socket is then opened
+        again, so a late answer is not read as the next one's)."""
+        if self.replay is None:
+            return None
+        zmq = self.zmq
+        try:
+            self.replay.send_multipart([b"", start.to_bytes(8, "big")], flags=zmq.NOBLOCK)
+        except zmq.Again:             # no peer: nothing listens there, or not a ROUTER
+            return None
+        batches: list[Batch] = []
+        while True:
+            self.replay_link.read()
+            if not self.replay.poll(int(timeout_s * 1000)):
+                self._close_replay()
+                self._open_replay()
+                return None
+            parts = self.replay.recv_multipart()
+            self.replay_answers += 1
+            self.last_message = time.monotonic()
+            if len(parts) != 3 or len(parts[1]) != 8:
+                self._drop(f"the replay socket sent {len(parts)} frames, not vLLM's "
+                           "[empty, seq, payload]")
+                continue
+            if int.from_bytes(parts[1], "big", signed=True) == END_SEQ:
+                return batches
+            try:
+                batches.append(decode_message([b"", parts[1], parts[2]]))
+            except ValueError as exc:
+                self._drop(f"the replay socket sent what is not vLLM's KV events: {exc}")
+            if len(batches) > MAX_REPLAY_BATCHES:
+                self._close_replay()
+                self._open_replay()
+                return None
 
     def catch_up(self, timeout_s: float = 2.0) -> int:
         """Ask vLLM's replay socket for every batch it still holds from the next
-        one expected on (from seq 0 at the start); the number applied. An answer
-        that takes longer than ``timeout_s`` is read by a later call."""
+        one expected on (from seq 0 at the start); the number applied."""
         if self.replay is None:
             return 0
-        start = 0 if self.next_seq is None else self.next_seq
-        self.replay.send_multipart([b"", start.to_bytes(8, "big")])
-        self.pending_replays += 1
-        applied = 0
-        saved, self.replay = self.replay, None         # no catching up inside a catch-up
-        try:
-            while self.pending_replays and saved.poll(int(timeout_s * 1000)):
-                parts = saved.recv_multipart()
-                self.replay_answers += 1
-                if len(parts) != 3:
-                    raise WatchError(f"replay socket: {len(parts)} frames, expected vLLM's "
-                                     "[empty, seq, payload]")
-                if int.from_bytes(parts[1], "big", signed=True) == END_SEQ:
-                    self.pending_replays -= 1
-                    continue
-                try:
-                    batch = decode_message([b"", parts[1], parts[2]])
-                except ValueError as exc:
-                    raise WatchError(f"replay socket: not vLLM's KV events: {exc}") from None
-                applied += self._receive(batch)
-        finally:
-            self.replay = saved
-        return applied
+        answer = self.ask_replay(0 if self.next_seq is None else self.next_seq, timeout_s)
+        return sum(self._apply(b) for b in sorted(answer or [], key=lambda b: b.seq))
 
-    def run(self, *, duration_s: float | None = None, max_batches: int | None = None,
-            tick_s: float = 0.25) -> None:
-        """Poll until ``duration_s`` has passed or ``max_batches`` were applied."""
-        watch_all([self], duration_s=duration_s, max_batches=max_batches, tick_s=tick_s)
+    def _resync(self, why: str) -> int:
+        """Check with the replay socket that the server is the one whose batches
+        were applied, and fill in what was missed; if it is another, rebuild the
+        index from its history. The number of batches applied."""
+        last = self.next_seq - 1
+        answer = self.ask_replay(last)
+        if answer is None:
+            self._mark_unknown(f"{why}, and the replay socket did not answer")
+            return 0
+        if answer and answer[0].seq == last and answer[0].ts == self.last_ts:
+            self.unknown_since = None if not self.missed else self.unknown_since
+            return sum(self._apply(b) for b in answer[1:])      # the same server
+        if not answer or answer[0].seq == last:
+            how = (f"{why}; the replay socket has no batch {last}" if not answer else
+                   f"{why}; the replay socket's batch {last} is another one")
+            self._start_over(how, restart=True)
+        else:
+            self._start_over(f"{why}; the replay socket no longer holds batch {last}",
+                             restart=False)
+        history = answer if answer and answer[0].seq == 0 else self.ask_replay(0)
+        if history is None:
+            self._mark_unknown(f"{why}, and the replay socket did not answer")
+            return 0
+        return sum(self._apply(b) for b in history)
+
+    # -- what to say ----------------------------------------------------------------------
+
+    def fault(self) -> str | None:
+        """A line when an endpoint is certainly wrong: the first messages are not
+        vLLM's, or a socket of another type answers there."""
+        if self.dropped and not self.batches and "replay socket" not in self.last_dropped:
+            return f"{self.address}: {self.last_dropped}"
+        if self.link.state == "wrong type" and not self.link.ever_connected:
+            return (f"{self.address} answers, but not as vLLM's KV-events PUB socket (the ZMQ "
+                    "handshake fails): is that the replay_endpoint? give the endpoint")
+        if self.replay_link is not None and self.replay_link.state == "wrong type" and \
+                not self.replay_link.ever_connected:
+            return (f"--replay {self.replay_address} answers, but not as vLLM's replay ROUTER "
+                    "socket (the ZMQ handshake fails): is that the event endpoint?")
+        return None
+
+    def connection(self) -> dict:
+        """Whether a server is there: ``state`` and a line saying it."""
+        link, now = self.link, time.monotonic()
+        waited = now - link.since
+        state = link.state
+        if state == "connected":
+            text = (f"bound at {self.address}, vLLM connected" if self.binds else
+                    f"connected to {self.address}")
+        elif state == "gone":
+            text = (f"the server at {self.address} went away {waited:.0f} s ago; waiting for "
+                    "it to come back")
+        elif state == "wrong type":
+            text = f"{self.address} answers, but not as a PUB socket (the handshake fails)"
+        elif waited < CONNECT_WAIT_S and now - self.started < CONNECT_WAIT_S:
+            text = (f"bound at {self.address}, waiting for vLLM to connect" if self.binds
+                    else f"connecting to {self.address}")
+        elif self.binds:
+            state = "no server"
+            text = (f"bound at {self.address}: no server has connected in "
+                    f"{now - self.started:.0f} s (was vLLM given this endpoint?)")
+        else:
+            state = "no server"
+            text = (f"nothing accepts connections at {self.address} (for "
+                    f"{now - self.started:.0f} s): is the server up, and is this its "
+                    "KV-events endpoint?")
+        return {"state": state, "text": text}
 
     def status(self) -> dict:
-        return {"endpoint": self.address, "bound": self.binds, "batches": self.batches,
+        now = time.monotonic()
+        replay = None
+        if self.replay_address is not None:
+            replay = {"endpoint": self.replay_address, "answered": self.replay_answers > 0,
+                      "state": self.replay_link.state if self.replay_link else "closed"}
+        unknown = self.unknown_since
+        return {"endpoint": self.address, "bound": self.binds,
+                "connection": self.connection(),
+                "last_message_s_ago": None if self.last_message is None else
+                round(now - self.last_message, 1),
+                "index_exact": unknown is None,
+                "unknown_since": None if unknown is None else time.strftime(
+                    "%H:%M:%S", time.localtime(unknown[0])),
+                "unknown_because": None if unknown is None else unknown[1],
+                "batches": self.batches, "server_batches": self.server_batches,
                 "first_seq": self.first_seq, "next_seq": self.next_seq,
-                "missed_batches": self.missed, "restarts": self.restarts,
-                "replay": None if self.replay_address is None else {
-                    "endpoint": self.replay_address, "answered": self.replay_answers > 0},
+                "missed_batches": self.missed, "restarts": len(self.restarts),
+                "restarts_seen": [{"at": time.strftime("%H:%M:%S", time.localtime(t)),
+                                   "how": how} for t, how in self.restarts],
+                "dropped_messages": self.dropped, "last_dropped": self.last_dropped or None,
+                "duplicate_batches": self.duplicates,
+                "replay": replay,
                 "events": dict(self.index.counts),
+                "blocks_stored": self.index.blocks_stored,
+                "blocks_removed": self.index.blocks_removed,
                 "sparse_stores": self.index.sparse_stores,
                 "data_parallel_ranks": sorted(r for r in self.ranks if r is not None),
                 "groups": self.index.summary()}
+
+
+def plural_batches(n: int) -> str:
+    return f"{n} batch" if n == 1 else f"{n} batches"

@@ -27,7 +27,7 @@ from textual.widgets import Footer, Input, Static
 
 from kvref.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvref.viz.panels import plural
-from kvref.watch import WatchError, Watcher, parse_tokens
+from kvref.watch import Watcher, parse_tokens
 
 BAR = 24
 
@@ -91,7 +91,9 @@ def render_watch(watchers: Watcher | list[Watcher], queries: list[Query]) -> Gro
             best = answers[rank]
             per_rank = [str(rank), " ".join(str(a.hit_tokens) for a in answers)] if several \
                 else []
-            table.add_row(q.name, str(best.num_tokens), str(best.hit_tokens),
+            # "?": the index cannot be trusted (a restart or a gap not yet resolved)
+            hit = str(best.hit_tokens) + ("?" if watchers[rank].unknown_since else "")
+            table.add_row(q.name, str(best.num_tokens), hit,
                           hit_bar(best.hit_tokens, best.num_tokens), *per_rank, best.note)
         lines.append(table)
     recent = sorted(((ts, rank, seq, event) for rank, w in enumerate(watchers)
@@ -106,35 +108,47 @@ def render_watch(watchers: Watcher | list[Watcher], queries: list[Query]) -> Gro
 
 
 def status_lines(status: dict, prefix: str = "") -> list[Text]:
-    """Where one watcher listens, what arrived, and what it may have missed."""
-    # A SUB socket "connects" whether or not a server is there: until a first batch
-    # arrives, the watcher is only listening.
-    verb = "bound at" if status["bound"] else ("connected to" if status["batches"]
-                                               else "listening to")
-    head = Text.assemble(("kvref watch ", "bold"), f"{prefix}{verb} {status['endpoint']}: ",
-                         (plural(status['batches'], 'batch', 'batches'), "bold"))
-    if status["batches"]:
-        counts = status["events"]
-        head.append(f" (seq {status['first_seq']}..{status['next_seq'] - 1}); "
-                    f"{counts.get('BlockStored', 0)} stored, "
-                    f"{counts.get('BlockRemoved', 0)} removed, "
-                    f"{plural(counts.get('AllBlocksCleared', 0), 'reset')}")
-    else:
-        head.append(" (waiting for vLLM's first KV events)", style="dim")
+    """Where one watcher listens, whether a server is there, what arrived, and how
+    far the index can be trusted; short lines, for an 80-column terminal."""
+    connection = status["connection"]
+    alive = connection["state"] == "connected"
+    head = Text.assemble(("kvref watch ", "bold"), prefix,
+                         (connection["text"], "" if alive else "yellow"))
     lines = [head]
+    ago = status["last_message_s_ago"]
+    if status["server_batches"]:
+        counts = status["events"]
+        line = Text.assemble(
+            "this server: ", (plural(status["server_batches"], "batch", "batches"), "bold"),
+            f" (seq {status['first_seq']}..{status['next_seq'] - 1}), "
+            f"{plural(status['blocks_stored'], 'block')} stored, "
+            f"{status['blocks_removed']} removed, "
+            f"{plural(counts.get('AllBlocksCleared', 0), 'reset')}")
+        lines.append(line)
+    else:
+        lines.append(Text(f"{plural(status['server_batches'], 'batch', 'batches')} from this "
+                          "server (waiting for vLLM's first KV events)", style="dim"))
+    if ago is not None:
+        lines.append(Text(f"last message {ago:.0f} s ago", style="dim"))
+    if status["unknown_since"]:
+        lines.append(Text(f"{prefix}index UNKNOWN since {status['unknown_since']}: "
+                          f"{status['unknown_because']}; hits marked ?", style="bold red"))
     replay = status.get("replay")
     if replay is not None and not replay["answered"]:
         lines.append(Text(f"{prefix}the replay socket {replay['endpoint']} has not answered: "
                           "is the server up, and is that its replay_endpoint?",
                           style="yellow"))
-    if status["restarts"]:
-        lines.append(Text(f"{prefix}the server restarted {status['restarts']} time(s) (its "
-                          "sequence began again at 0): the index starts over", style="yellow"))
+    for restart in status["restarts_seen"][-2:]:
+        lines.append(Text(f"{prefix}the server restarted (seen {restart['at']}: "
+                          f"{restart['how']}): the index started over", style="yellow"))
     if status["missed_batches"]:
         lines.append(Text(f"{prefix}{plural(status['missed_batches'], 'batch', 'batches')} "
                           "were never received "
                           "(joined late or dropped): blocks they stored are not in the index; "
                           "--replay ENDPOINT fetches them from vLLM", style="yellow"))
+    if status["dropped_messages"]:
+        lines.append(Text(f"{prefix}{plural(status['dropped_messages'], 'message')} dropped, "
+                          f"the last: {status['last_dropped']}", style="yellow"))
     return lines
 
 
@@ -148,9 +162,12 @@ class WatchApp(App):
     #prompt { dock: bottom; display: none; }
     #prompt.shown { display: block; }
     """
+    # Ctrl-C arrives as a key in Textual's raw terminal mode: bound here, with
+    # priority, it quits instead of Textual's "press ctrl+q" notice.
     BINDINGS = [Binding("slash", "ask", "ask about a prompt", key_display="/"),
                 Binding("escape", "close_prompt", "cancel", show=False),
-                Binding("q", "quit", "quit")]
+                Binding("q", "quit", "quit"),
+                Binding("ctrl+c", "quit", "quit", show=False, priority=True)]
 
     def __init__(self, watchers: Watcher | list[Watcher], queries: list[Query], *,
                  duration_s: float | None = None, max_batches: int | None = None,
@@ -170,17 +187,28 @@ class WatchApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        import asyncio
+        import signal
+
+        # A signal from outside (kill -INT, kill -TERM) leaves through Textual's own
+        # exit, which gives the terminal back as it was.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self.exit)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass        # not the main thread (a test's pilot): nothing to restore
         self.redraw()
         self.set_interval(0.25, self.tick)
 
     def tick(self) -> None:
-        try:
-            for watcher in self.watchers:
-                watcher.poll(0)
-        except WatchError as exc:
-            self.error = str(exc)
-            self.exit()
-            return
+        for watcher in self.watchers:
+            watcher.poll(0)
+            fault = watcher.fault()
+            if fault:
+                self.error = fault
+                self.exit()
+                return
         done = (self.deadline is not None and time.monotonic() >= self.deadline) or \
             (self.max_batches is not None and
              sum(w.batches for w in self.watchers) >= self.max_batches)

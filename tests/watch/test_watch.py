@@ -165,15 +165,15 @@ def test_a_duplicate_batch_is_applied_once_and_a_restarted_server_starts_a_new_i
             pub.send_multipart(frame)
         drain(watcher, 2)
         assert watcher.index.blocks == index_once.blocks and watcher.batches == 3
-        assert watcher.restarts == 0
+        assert watcher.restarts == []
         # A new server process: its publisher counts from 0 again, at a later time.
         seq, ts, events, rank = decode_message(frames[0])
         restarted = msgspec.msgpack.encode([ts + 60, [], rank])
         pub.send_multipart([b"", (0).to_bytes(8, "big"), restarted])
         deadline = time.monotonic() + DEADLINE_S
-        while watcher.restarts == 0 and time.monotonic() < deadline:
+        while not watcher.restarts and time.monotonic() < deadline:
             watcher.poll(0.2)
-        assert watcher.restarts == 1 and watcher.next_seq == 1
+        assert len(watcher.restarts) == 1 and watcher.next_seq == 1
         assert not watcher.index.blocks and watcher.missed == 0
         pub.close(0)
 
@@ -208,8 +208,8 @@ def test_with_no_server_it_says_listening_and_that_the_replay_socket_is_silent()
     code, out, err = finish(process)
     assert code == 0, err
     flat = " ".join(out.split())
-    assert f"listening to tcp://127.0.0.1:{port}: 0 batches" in flat
-    assert "connected to" not in flat
+    assert f"connecting to tcp://127.0.0.1:{port}" in flat
+    assert "0 batches from this server" in flat and "connected to" not in flat
     assert (f"the replay socket tcp://127.0.0.1:{replay_port} has not answered: is the server "
             "up, and is that its replay_endpoint?") in flat
 
@@ -222,7 +222,8 @@ def test_one_batch_is_one_batch_not_one_batches():
     code, out, err = finish(process)
     pub.close(0)
     assert code == 0, err
-    assert f"bound at tcp://127.0.0.1:{port}: 1 batch " in out
+    assert f"bound at tcp://127.0.0.1:{port}, vLLM connected" in out
+    assert "this server: 1 batch (seq 0..0)" in out
 
 
 def test_the_command_answers_queries_from_vllms_events(tmp_path):
@@ -261,7 +262,8 @@ def test_the_command_without_json_prints_the_picture_once():
     code, out, err = finish(process)
     pub.close(0)
     assert code == 0, err
-    assert f"bound at tcp://127.0.0.1:{port}: 3 batches" in out
+    assert f"bound at tcp://127.0.0.1:{port}, vLLM connected" in out
+    assert "this server: 3 batches" in out
     assert "full_attention" in out and "query 1" in out and "stored" in out
 
 
@@ -308,7 +310,7 @@ def test_data_parallel_ranks_are_watched_on_consecutive_ports_each_with_its_cach
 @pytest.mark.parametrize("endpoint, says", [
     ("http://127.0.0.1:5557", "is not a ZMQ endpoint vLLM publishes on"),
     ("tcp://127.0.0.1", "no port"),
-    ("tcp://127.0.0.1:99999", "no port"),
+    ("tcp://127.0.0.1:99999", "port 99999 is out of range (1 to 65535)"),
     ("inproc://kv", "lives inside the server's process"),
     ("ipc:///tmp/kv --data-parallel-size 2", "only on tcp://HOST:PORT endpoints"),
 ])
@@ -482,7 +484,7 @@ def test_the_terminal_view_follows_the_events_and_asks_about_a_typed_prompt():
         pub = sender(f"tcp://127.0.0.1:{port}", watcher)
         before, after = asyncio.run(main(watcher, pub))
         pub.close(0)
-    assert f"{len(frames)} batches" in before
+    assert f"this server: {len(frames)} batches" in before
     row = next(line for line in before.splitlines() if line.lstrip().startswith("system"))
     assert row.split()[1:3] == [str(len(known)), str(known_hit)]
     row = next(line for line in after.splitlines() if line.lstrip().startswith("asked 2"))
