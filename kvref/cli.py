@@ -309,11 +309,12 @@ def cmd_watch(args, console: Console) -> int:
 
     try:
         tokenize = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
-        queries = [Query(name, tokens) for name, tokens in
+        queries = [Query(name, tokens, args.lora_name, args.cache_salt) for name, tokens in
                    read_queries(args.query or [], args.query_file, args.prompt or [], tokenize)]
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     for name, value in (("--duration", args.duration), ("--batches", args.batches),
+                        ("--num-gpu-blocks", args.num_gpu_blocks),
                         ("--data-parallel-size", args.data_parallel_size)):
         if value is not None and value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
@@ -332,12 +333,13 @@ def cmd_watch(args, console: Console) -> int:
                 replay = None if args.replay is None else rank_endpoint(args.replay, rank)
                 watchers.append(stack.enter_context(Watcher(
                     rank_endpoint(args.endpoint, rank), host=args.host, topic=args.topic,
-                    replay_endpoint=replay)))
+                    replay_endpoint=replay, num_gpu_blocks=args.num_gpu_blocks)))
             if live:
                 from kvref.viz.watch import WatchApp
 
                 app = WatchApp(watchers, queries, duration_s=args.duration,
-                               max_batches=args.batches, tokenize=tokenize)
+                               max_batches=args.batches, tokenize=tokenize,
+                               lora_name=args.lora_name, cache_salt=args.cache_salt)
                 app.run()
                 queries = app.queries
                 if app.error is not None:
@@ -363,7 +365,7 @@ def _watch_report(watchers, queries, as_json: bool, console: Console) -> None:
         return
     answers = []
     for q in queries:
-        rank, by_rank = best_answer(watchers, q.tokens)
+        rank, by_rank = best_answer(watchers, q)
         answers.append({"query": q.name, **by_rank[rank]._asdict(),
                         "index_exact": watchers[rank].unknown_since is None})
         if len(watchers) > 1:
@@ -501,6 +503,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the served model's tokenizer folder (local; needs transformers): "
                      "turns --prompt texts into token ids as vLLM's /v1/completions does (a chat "
                      "request applies its chat template first: give its token ids)")
+    wat.add_argument("--lora-name", metavar="NAME",
+                     help="ask as requests for this LoRA adapter would (vLLM puts its name in "
+                     "every block's hash)")
+    wat.add_argument("--cache-salt", metavar="SALT",
+                     help="ask as requests with this cache_salt would (vLLM puts it in the "
+                     "first block's hash, so without it a salted cache never hits)")
+    wat.add_argument("--num-gpu-blocks", type=int, metavar="N",
+                     help="the server's pool size (its log: 'GPU KV cache size'), not in any "
+                     "event: shows how much of the pool holds cached prefixes")
     wat.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     wat.add_argument("--batches", type=int, metavar="N", help="stop after N event batches")
     wat.add_argument("--json", action="store_true",

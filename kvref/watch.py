@@ -285,21 +285,29 @@ class PrefixCacheIndex:
         else:
             self.holders[h] -= 1
 
-    def prompt_hashes(self, tokens: list[int], block_size: int) -> list[Any]:
-        """The prompt's leading block hashes the chain knows (no LoRA, salt or
-        multimodal extra keys: a plain prompt's)."""
+    def prompt_hashes(self, tokens: list[int], block_size: int, *,
+                      lora_name: str | None = None, cache_salt: str | None = None) -> list[Any]:
+        """The prompt's leading block hashes the chain knows. A block's extra keys
+        are vLLM's (``generate_block_hash_extra_keys``, kv_cache_utils.py:539-574):
+        the LoRA name on every block, then the cache salt on the first one only;
+        none for a plain prompt (multimodal prompts are not modelled)."""
         hashes, parent = [], None
         for i in range(len(tokens) // block_size):
+            extra = ([lora_name] if lora_name else []) + ([cache_salt] if cache_salt and
+                                                          i == 0 else [])
             h = self.chain.get((block_size, parent, tuple(tokens[i * block_size:
-                                                               (i + 1) * block_size]), None))
+                                                               (i + 1) * block_size]),
+                                tuple(extra) if extra else None))
             if h is None:
                 break
             hashes.append(h)
             parent = h
         return hashes
 
-    def query(self, tokens: list[int]) -> Answer:
-        """How many tokens of ``tokens``, sent as a new request, the cache would serve:
+    def query(self, tokens: list[int], *, lora_name: str | None = None,
+              cache_salt: str | None = None) -> Answer:
+        """How many tokens of ``tokens``, sent as a new request (with that LoRA
+        adapter's name and that ``cache_salt``, if given), the cache would serve:
         kvref's own hit search (the coordinator's, vLLM's rule for every group kind
         below) run on a pool that answers from this index."""
         if not self.groups:
@@ -307,7 +315,7 @@ class PrefixCacheIndex:
         size = min(info.block_size for info in self.groups.values())
         modelled = {g: info for g, info in sorted(self.groups.items())
                     if info.block_size == size and spec_of(info) is not None}
-        hashes = self.prompt_hashes(tokens, size)
+        hashes = self.prompt_hashes(tokens, size, lora_name=lora_name, cache_salt=cache_salt)
         runs = {}
         for g in modelled:
             run = 0
@@ -589,7 +597,7 @@ class Watcher:
     batches are asked for again, from seq 0 at the start.
 
     The index follows the server, not the socket. vLLM's publisher numbers its
-    batches from 0 (``kv_events.py:329``, ``count()``) and a new server process
+    batches from 0 (``kv_events.py:334``, ``count()``) and a new server process
     starts again, with an empty cache. So the watcher starts a new index when the
     sequence goes back at a later time, and checks a batch before trusting it
     after a gap, a lost connection or ``SILENCE_S`` of silence: with a replay
@@ -600,7 +608,7 @@ class Watcher:
 
     def __init__(self, endpoint: str, *, host: str = "127.0.0.1", topic: str = "",
                  replay_endpoint: str | None = None, max_blocks: int = MAX_INDEX_BLOCKS,
-                 silence_s: float = SILENCE_S) -> None:
+                 silence_s: float = SILENCE_S, num_gpu_blocks: int | None = None) -> None:
         zmq = self.zmq = import_zmq()
 
         self.address, self.binds = watcher_address(endpoint, host)
@@ -609,7 +617,12 @@ class Watcher:
         if self.replay_address == self.address:
             raise WatchError(f"--replay {replay_endpoint}: the event endpoint again; vLLM's "
                              "replay_endpoint is a second port (its kv-events-config)")
-        self.max_blocks, self.silence_s = max_blocks, silence_s
+        # The pool's size is not in any event: given (vLLM's num_gpu_blocks), it
+        # shows how much of the pool holds cached prefixes, and bounds the index.
+        self.num_gpu_blocks = num_gpu_blocks
+        self.max_blocks = max_blocks if num_gpu_blocks is None else min(max_blocks,
+                                                                         num_gpu_blocks)
+        self.silence_s = silence_s
         self.index = PrefixCacheIndex()
         self.next_seq: int | None = None
         self.last_ts: float | None = None     # the publisher's time of the last batch applied
@@ -624,6 +637,7 @@ class Watcher:
         self.missed = 0                   # batches never received (seq gaps), this index
         self.unknown_since: tuple[float, str] | None = None
         self.check_next: str | None = None      # why the next batch must be checked
+        self.last_check = 0.0
         self.started = time.monotonic()
         self.last_message: float | None = None  # monotonic time of the last message read
         self.ranks: set = set()
@@ -702,6 +716,7 @@ class Watcher:
                 if not self.socket.poll(0):
                     break
                 applied += self.handle(self.socket.recv_multipart())
+        self._check_idle_server()
         if (self.last_message is not None and self.check_next is None and
                 self.replay is not None and
                 time.monotonic() - self.last_message > self.silence_s):
@@ -733,7 +748,11 @@ class Watcher:
         self.check_next = None
         applied = 0
         if why is not None and self.replay is not None:
-            applied += self._resync(why)
+            resynced = self._resync(why)
+            if resynced is None:              # no answer: this batch waits in vLLM's
+                self.check_next = why         # buffer for the next check
+                return 0
+            applied += resynced
         elif why is not None:
             self._mark_unknown(f"{why}; without --replay they cannot be fetched, nor a "
                                "restarted server told apart")
@@ -833,15 +852,16 @@ class Watcher:
         answer = self.ask_replay(0 if self.next_seq is None else self.next_seq, timeout_s)
         return sum(self._apply(b) for b in sorted(answer or [], key=lambda b: b.seq))
 
-    def _resync(self, why: str) -> int:
+    def _resync(self, why: str) -> int | None:
         """Check with the replay socket that the server is the one whose batches
         were applied, and fill in what was missed; if it is another, rebuild the
-        index from its history. The number of batches applied."""
+        index from its history. The number of batches applied; None when the
+        replay socket did not answer (nothing changed but the mark)."""
         last = self.next_seq - 1
         answer = self.ask_replay(last)
         if answer is None:
             self._mark_unknown(f"{why}, and the replay socket did not answer")
-            return 0
+            return None
         if answer and answer[0].seq == last and answer[0].ts == self.last_ts:
             self.unknown_since = None if not self.missed else self.unknown_since
             return sum(self._apply(b) for b in answer[1:])      # the same server
@@ -857,6 +877,17 @@ class Watcher:
             self._mark_unknown(f"{why}, and the replay socket did not answer")
             return 0
         return sum(self._apply(b) for b in history)
+
+    def _check_idle_server(self) -> None:
+        """After a lost connection, check as soon as the server is back, without
+        waiting for its next batch: a restarted server that is idle would otherwise
+        be shown with the old server's cache (at most one try a second)."""
+        now = time.monotonic()
+        if (self.check_next and self.replay is not None and self.next_seq is not None and
+                self.link.state == "connected" and now - self.last_check >= 1.0):
+            self.last_check = now
+            if self._resync(self.check_next) is not None:
+                self.check_next = None
 
     # -- what to say ----------------------------------------------------------------------
 
@@ -928,6 +959,8 @@ class Watcher:
                 "blocks_stored": self.index.blocks_stored,
                 "blocks_removed": self.index.blocks_removed,
                 "sparse_stores": self.index.sparse_stores,
+                "pool": {"num_gpu_blocks": self.num_gpu_blocks,
+                         "cached_blocks": sum(self.index.blocks.values())},
                 "data_parallel_ranks": sorted(r for r in self.ranks if r is not None),
                 "groups": self.index.summary()}
 

@@ -33,8 +33,12 @@ BAR = 24
 
 
 class Query(NamedTuple):
+    """A prompt to ask about; ``lora_name`` and ``cache_salt`` as the request would
+    carry them (both change every block's hash in vLLM)."""
     name: str
     tokens: list[int]
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 def hit_bar(hit: int, total: int, width: int = BAR) -> Text:
@@ -57,9 +61,10 @@ def describe_event(event) -> str:
     return type(event).__name__
 
 
-def best_answer(watchers: list[Watcher], tokens: list[int]):
-    """(rank, answer) of the data-parallel rank that would serve most of the prompt."""
-    answers = [w.index.query(tokens) for w in watchers]
+def best_answer(watchers: list[Watcher], query: Query):
+    """(rank, answers) : the data-parallel rank that would serve most of the prompt."""
+    answers = [w.index.query(query.tokens, lora_name=query.lora_name,
+                             cache_salt=query.cache_salt) for w in watchers]
     rank = max(range(len(answers)), key=lambda r: answers[r].hit_tokens)
     return rank, answers
 
@@ -87,7 +92,7 @@ def render_watch(watchers: Watcher | list[Watcher], queries: list[Query]) -> Gro
                                                          else []) + ["note"]:
             table.add_column(column)
         for q in queries:
-            rank, answers = best_answer(watchers, q.tokens)
+            rank, answers = best_answer(watchers, q)
             best = answers[rank]
             per_rank = [str(rank), " ".join(str(a.hit_tokens) for a in answers)] if several \
                 else []
@@ -130,6 +135,15 @@ def status_lines(status: dict, prefix: str = "") -> list[Text]:
                           "server (waiting for vLLM's first KV events)", style="dim"))
     if ago is not None:
         lines.append(Text(f"last message {ago:.0f} s ago", style="dim"))
+    pool = status["pool"]
+    if pool["num_gpu_blocks"]:
+        # one block is the null block, never cached (vllm/v1/core/block_pool.py:191-192)
+        lines.append(Text(f"{pool['cached_blocks']} of {pool['num_gpu_blocks'] - 1} usable "
+                          "blocks hold cached prefixes (blocks still filling are in no event)",
+                          style="dim"))
+    elif status["server_batches"]:
+        lines.append(Text("how full the pool is: not in the events (--num-gpu-blocks N "
+                          "shows the cached share)", style="dim"))
     if status["unknown_since"]:
         lines.append(Text(f"{prefix}index UNKNOWN since {status['unknown_since']}: "
                           f"{status['unknown_because']}; hits marked ?", style="bold red"))
@@ -171,8 +185,10 @@ class WatchApp(App):
 
     def __init__(self, watchers: Watcher | list[Watcher], queries: list[Query], *,
                  duration_s: float | None = None, max_batches: int | None = None,
-                 tokenize: Callable[[str], list[int]] | None = None) -> None:
+                 tokenize: Callable[[str], list[int]] | None = None,
+                 lora_name: str | None = None, cache_salt: str | None = None) -> None:
         super().__init__()
+        self.lora_name, self.cache_salt = lora_name, cache_salt
         self.watchers = [watchers] if isinstance(watchers, Watcher) else list(watchers)
         self.queries, self.tokenize = list(queries), tokenize
         self.deadline = None if duration_s is None else time.monotonic() + duration_s
@@ -249,6 +265,7 @@ class WatchApp(App):
                 self.redraw()
                 return
             tokens = self.tokenize(value)
-        self.queries.append(Query(f"asked {len(self.queries) + 1}", tokens))
+        self.queries.append(Query(f"asked {len(self.queries) + 1}", tokens,
+                                  self.lora_name, self.cache_salt))
         self.message = ""
         self.redraw()

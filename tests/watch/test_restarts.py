@@ -3,7 +3,7 @@ messages, bad addresses, signals.
 
 ``Server`` speaks vLLM 0.25.1's protocol (``vllm/distributed/kv_events.py``): a PUB
 socket that sends ``[topic, seq, payload]`` with seq counting from 0 in each
-process (``:329``, ``count()``), and a ROUTER replay socket that answers an 8-byte
+process (``:334``, ``count()``), and a ROUTER replay socket that answers an 8-byte
 start seq with every buffered ``[seq, payload]`` from there, then seq -1
 (``:448-469``). Its batches are the frames vLLM's own publisher sent
 (``recorded/``); a second server is the same frames at a later time, as a
