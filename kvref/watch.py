@@ -642,6 +642,7 @@ class Watcher:
         self.last_message: float | None = None  # monotonic time of the last message read
         self.ranks: set = set()
         self.recent: deque = deque(maxlen=8)      # (ts, seq, event), this server's latest
+        self.last_reset: float | None = None      # wall time an AllBlocksCleared arrived
         self.replay_answers = 0           # messages the replay socket sent back
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.SUB)
@@ -776,7 +777,7 @@ class Watcher:
         self.index = PrefixCacheIndex()
         self.next_seq = self.first_seq = self.last_ts = None
         self.missed = self.server_batches = 0
-        self.unknown_since = None
+        self.unknown_since = self.last_reset = None
         self.recent.clear()
 
     def _apply(self, batch: Batch) -> int:
@@ -800,6 +801,8 @@ class Watcher:
         for event in batch.events:
             self.index.apply(event)
             self.recent.append((batch.ts, batch.seq, event))
+            if isinstance(event, AllBlocksCleared):
+                self.last_reset = time.time()
         self.next_seq, self.last_ts = batch.seq + 1, batch.ts
         self.batches += 1
         self.server_batches += 1
@@ -952,6 +955,8 @@ class Watcher:
                 "missed_batches": self.missed, "restarts": len(self.restarts),
                 "restarts_seen": [{"at": time.strftime("%H:%M:%S", time.localtime(t)),
                                    "how": how} for t, how in self.restarts],
+                "cache_reset_at": None if self.last_reset is None else time.strftime(
+                    "%H:%M:%S", time.localtime(self.last_reset)),
                 "dropped_messages": self.dropped, "last_dropped": self.last_dropped or None,
                 "duplicate_batches": self.duplicates,
                 "replay": replay,

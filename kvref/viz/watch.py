@@ -144,6 +144,10 @@ def status_lines(status: dict, prefix: str = "") -> list[Text]:
     elif status["server_batches"]:
         lines.append(Text("how full the pool is: not in the events (--num-gpu-blocks N "
                           "shows the cached share)", style="dim"))
+    if status["cache_reset_at"]:
+        lines.append(Text(f"{prefix}prefix cache reset at {status['cache_reset_at']} "
+                          "(AllBlocksCleared): everything cached before it is gone",
+                          style="bold"))
     if status["unknown_since"]:
         lines.append(Text(f"{prefix}index UNKNOWN since {status['unknown_since']}: "
                           f"{status['unknown_because']}; hits marked ?", style="bold red"))

@@ -369,3 +369,48 @@ def test_the_live_view_quits_and_gives_the_terminal_back(how):
     enter, leave = written.find(b"\x1b[?1049h"), written.rfind(b"\x1b[?1049l")
     assert 0 <= enter < leave, "the alternate screen was not left"
     assert b"KV cache groups" in written[leave:]        # the final state, printed after
+
+
+def test_the_screen_says_when_the_index_is_unknown_and_marks_every_hit():
+    """Item 6: with batches missed, the hit column gave a number with no doubt."""
+
+    from kvref.viz.watch import Query, render_watch
+
+    frames = server_frames("full", ts=1000.0)
+    prompt = list(range(1000, 1012))               # stored by batch 0
+    with Watcher(f"tcp://127.0.0.1:{free_port()}") as watcher:
+        watcher.handle(frames[0])
+        exact = render_text(render_watch(watcher, [Query("p", prompt)]))
+        watcher.handle(frames[3])                  # batches 1 and 2 never arrived
+        doubtful = render_text(render_watch(watcher, [Query("p", prompt)]))
+    assert "UNKNOWN" not in exact and " 11 " not in exact
+    row = next(line for line in exact.splitlines() if line.startswith("p "))
+    assert row.split()[1:3] == ["12", "8"]
+    assert "index UNKNOWN since" in doubtful and "batches 1..2 never arrived" in " ".join(
+        doubtful.split())
+    row = next(line for line in doubtful.splitlines() if line.startswith("p "))
+    assert row.split()[1:3] == ["12", "8?"]
+
+
+def test_a_reset_is_shown_the_moment_its_batch_arrives():
+    from kvref.viz.watch import render_watch
+
+    frames = server_frames("full", ts=1000.0)
+    reset = next(i for i, f in enumerate(frames) if any(
+        e.get("type") == "AllBlocksCleared" for e in msgspec.msgpack.decode(f[2])[1]))
+    with Watcher(f"tcp://127.0.0.1:{free_port()}") as watcher:
+        for frame in frames[:reset]:
+            watcher.handle(frame)
+        assert watcher.index.blocks and "prefix cache reset at" not in render_text(
+            render_watch(watcher, []))
+        watcher.handle(frames[reset])
+        after = render_text(render_watch(watcher, []))
+    assert "prefix cache reset at" in after and "(AllBlocksCleared)" in after
+
+
+def render_text(renderable) -> str:
+    from rich.console import Console
+
+    console = Console(width=100, record=True)
+    console.print(renderable)
+    return console.export_text()
