@@ -235,6 +235,7 @@ class PrefixCacheIndex:
     sparse_stores: int = 0
     blocks_stored: int = 0                                 # blocks, not events
     blocks_removed: int = 0
+    cached_blocks: int = 0                                 # copies held: sum of blocks
     coordinator_for: tuple | None = None                   # (groups, kvref coordinator)
 
     def apply(self, event: KVCacheEvent) -> None:
@@ -246,6 +247,7 @@ class PrefixCacheIndex:
             self.blocks_removed += len(event.block_hashes)
             for h in event.block_hashes:
                 key = (event.group_idx, h)
+                self.cached_blocks -= key in self.blocks
                 if self.blocks[key] <= 1:
                     self.blocks.pop(key, None)
                 else:
@@ -254,6 +256,7 @@ class PrefixCacheIndex:
         elif isinstance(event, AllBlocksCleared):
             for name in ("blocks", "chain", "chain_key_of", "holders"):
                 getattr(self, name).clear()
+            self.cached_blocks = 0
 
     def _store(self, event: BlockStored) -> None:
         g = event.group_idx
@@ -264,6 +267,7 @@ class PrefixCacheIndex:
         for h in event.block_hashes:
             self.blocks[(g, h)] += 1
             self.holders[h] += 1
+        self.cached_blocks += len(event.block_hashes)
         size, hashes = event.block_size, event.block_hashes
         if len(event.token_ids) != size * len(hashes):
             self.sparse_stores += 1      # null or masked blocks skipped: no pairing (lesson 11)
@@ -784,8 +788,7 @@ class Watcher:
         if self.next_seq is not None and batch.seq < self.next_seq:
             self.duplicates += 1
             return 0
-        stores = sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
-        if len(self.index.blocks) + stores > self.max_blocks:
+        if self._would_hold(batch) > self.max_blocks:
             self._drop(f"batch {batch.seq} would make the index hold more than "
                        f"{self.max_blocks} blocks")
             self._mark_unknown(f"batch {batch.seq} was dropped")
@@ -808,6 +811,20 @@ class Watcher:
         self.server_batches += 1
         self.ranks.add(batch.data_parallel_rank)
         return 1
+
+    def _would_hold(self, batch: Batch) -> int:
+        """How many blocks the index would hold after ``batch``, counting each
+        removal as one fewer (a removal of an unknown hash makes this an
+        underestimate by one; the next batch is checked against the real count)."""
+        held = self.index.cached_blocks
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                held += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held -= len(event.block_hashes)
+            else:
+                held = 0
+        return held
 
     # -- the replay socket ----------------------------------------------------------------
 
@@ -965,7 +982,7 @@ class Watcher:
                 "blocks_removed": self.index.blocks_removed,
                 "sparse_stores": self.index.sparse_stores,
                 "pool": {"num_gpu_blocks": self.num_gpu_blocks,
-                         "cached_blocks": sum(self.index.blocks.values())},
+                         "cached_blocks": self.index.cached_blocks},
                 "data_parallel_ranks": sorted(r for r in self.ranks if r is not None),
                 "groups": self.index.summary()}
 

@@ -15,7 +15,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvref.watch import Watcher, decode_message
+from kvref.watch import PrefixCacheIndex, Watcher, decode_message
 
 from tests.watch.test_watch import frames_of, free_port
 
@@ -129,17 +129,51 @@ def test_any_bytes_decode_to_a_batch_or_one_value_error(frames):
         assert "\n" not in str(exc)
 
 
+def net_growth(frame) -> tuple[int, int]:
+    """(blocks stored, blocks removed) by one recorded batch; a reset gives (-1, -1)."""
+    events = msgspec.msgpack.decode(frame[2])[1]
+    if any(e["type"] == "AllBlocksCleared" for e in events):
+        return -1, -1
+    return (sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockStored"),
+            sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockRemoved"))
+
+
 def test_a_batch_that_would_grow_the_index_past_its_bound_is_dropped():
     watcher = fresh_watcher()
-    watcher.max_blocks = len(watcher.index.blocks)        # full: nothing more may come
     try:
+        i = next(i for i in range(PREFIX, len(FRAMES))
+                 if net_growth(FRAMES[i])[0] > max(0, net_growth(FRAMES[i])[1]))
+        for frame in FRAMES[PREFIX:i]:
+            watcher.handle(frame)
+        watcher.max_blocks = watcher.index.cached_blocks   # full: nothing more may come
         blocks = dict(watcher.index.blocks)
-        stores = [f for f in FRAMES[PREFIX:] if any(
-            e.get("type") == "BlockStored" for e in msgspec.msgpack.decode(f[2])[1])]
-        frame = stores[0]
-        watcher.next_seq = int.from_bytes(frame[1], "big")
-        assert watcher.handle(frame) == 0
+        assert watcher.handle(FRAMES[i]) == 0
         assert dict(watcher.index.blocks) == blocks and watcher.dropped == 1
         assert "more than" in watcher.last_dropped and watcher.unknown_since is not None
     finally:
         watcher.max_blocks = 1 << 22
+
+
+def test_a_full_pool_that_evicts_to_store_is_not_dropped():
+    """With --num-gpu-blocks the bound is the pool: a batch that evicts as many
+    blocks as it stores keeps the index at the bound, and is applied."""
+    watcher = fresh_watcher()
+    try:
+        i = next(i for i in range(PREFIX, len(FRAMES)) if 0 < net_growth(FRAMES[i])[1])
+        for frame in FRAMES[PREFIX:i]:
+            watcher.handle(frame)
+        stored, removed = net_growth(FRAMES[i])
+        watcher.max_blocks = max(watcher.index.cached_blocks,
+                                 watcher.index.cached_blocks + stored - removed)
+        assert watcher.handle(FRAMES[i]) == 1 and watcher.dropped == 0
+    finally:
+        watcher.max_blocks = 1 << 22
+
+
+def test_the_count_of_cached_blocks_is_the_index_itself():
+    for workload in ("full", "hybrid", "swa", "bytes-hashes"):
+        index = PrefixCacheIndex()
+        for frame in frames_of(workload):
+            for event in decode_message(frame).events:
+                index.apply(event)
+                assert index.cached_blocks == sum(index.blocks.values())
