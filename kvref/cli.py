@@ -301,11 +301,10 @@ def cmd_replay(args, console: Console) -> int:
 
 
 def cmd_watch(args, console: Console) -> int:
-    from contextlib import ExitStack
+    import signal
 
     from kvref.viz.watch import Query
-    from kvref.watch import (WatchError, Watcher, load_tokenizer, rank_endpoint, read_queries,
-                             watch_all)
+    from kvref.watch import load_tokenizer, read_queries
 
     try:
         tokenize = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
@@ -318,15 +317,25 @@ def cmd_watch(args, console: Console) -> int:
                         ("--data-parallel-size", args.data_parallel_size)):
         if value is not None and value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
+
+    def stop(signum, frame):              # SIGTERM ends the run as Ctrl-C does: a report
+        raise KeyboardInterrupt
+
     live = console.is_terminal and not args.json
+    previous = None if live else signal.signal(signal.SIGTERM, stop)
+    try:
+        return _watch(args, console, queries, tokenize, live)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _watch(args, console: Console, queries, tokenize, live: bool) -> int:
+    from contextlib import ExitStack
+
+    from kvref.watch import WatchError, Watcher, rank_endpoint, watch_all
+
     watchers = []
-    if not live:
-        import signal
-
-        def stop(signum, frame):          # SIGTERM ends the run as Ctrl-C does: a report
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, stop)
     try:
         with ExitStack() as stack:
             for rank in range(args.data_parallel_size):
