@@ -74,7 +74,8 @@ def probes_before() -> list[tuple[str, list[int]]]:
 
 
 def probes_after() -> tuple[list, list]:
-    """(served by the new server while the second watcher is stopped, asked after)."""
+    """(served by the new server: all but the last while the second watcher is
+    stopped, the last after it continued; asked about after that)."""
     rng = random.Random(1)
     e, f, g = tokens(rng, 60), tokens(rng, 40), tokens(rng, 50)
     return ([("e on the new server", e), ("f on the new server", f), ("e again", e),

@@ -62,7 +62,8 @@ def describe_event(event) -> str:
 
 
 def best_answer(watchers: list[Watcher], query: Query):
-    """(rank, answers) : the data-parallel rank that would serve most of the prompt."""
+    """(rank, answers): the data-parallel rank that would serve most of the prompt,
+    and every rank's answer."""
     answers = [w.index.query(query.tokens, lora_name=query.lora_name,
                              cache_salt=query.cache_salt) for w in watchers]
     rank = max(range(len(answers)), key=lambda r: answers[r].hit_tokens)
@@ -124,25 +125,27 @@ def status_lines(status: dict, prefix: str = "") -> list[Text]:
     if status["server_batches"]:
         counts = status["events"]
         line = Text.assemble(
-            "this server: ", (plural(status["server_batches"], "batch", "batches"), "bold"),
+            f"{prefix}this server: ",
+            (plural(status["server_batches"], "batch", "batches"), "bold"),
             f" (seq {status['first_seq']}..{status['next_seq'] - 1}), "
             f"{plural(status['blocks_stored'], 'block')} stored, "
             f"{status['blocks_removed']} removed, "
             f"{plural(counts.get('AllBlocksCleared', 0), 'reset')}")
         lines.append(line)
     else:
-        lines.append(Text(f"{plural(status['server_batches'], 'batch', 'batches')} from this "
-                          "server (waiting for vLLM's first KV events)", style="dim"))
+        lines.append(Text(f"{prefix}0 batches from this server (waiting for vLLM's first "
+                          "KV events)", style="dim"))
     if ago is not None:
-        lines.append(Text(f"last message {ago:.0f} s ago", style="dim"))
+        lines.append(Text(f"{prefix}last message {ago:.0f} s ago", style="dim"))
     pool = status["pool"]
     if pool["num_gpu_blocks"]:
         # one block is the null block, never cached (vllm/v1/core/block_pool.py:191-192)
-        lines.append(Text(f"{pool['cached_blocks']} of {pool['num_gpu_blocks'] - 1} usable "
-                          "blocks hold cached prefixes (blocks still filling are in no event)",
+        lines.append(Text(f"{prefix}{pool['cached_blocks']} of {pool['num_gpu_blocks'] - 1} "
+                          "usable blocks hold cached prefixes (blocks still filling are in no "
+                          "event)",
                           style="dim"))
     elif status["server_batches"]:
-        lines.append(Text("how full the pool is: not in the events (--num-gpu-blocks N "
+        lines.append(Text(f"{prefix}how full the pool is: not in the events (--num-gpu-blocks N "
                           "shows the cached share)", style="dim"))
     if status["cache_reset_at"]:
         lines.append(Text(f"{prefix}prefix cache reset at {status['cache_reset_at']} "

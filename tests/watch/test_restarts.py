@@ -61,12 +61,11 @@ class Server:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{port}")
         self.router = None
-        self.stop = threading.Event()
+        self.stop, self.lock = threading.Event(), threading.Lock()
         if replay_port is not None:
             self.router = context.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
             self.router.bind(f"tcp://127.0.0.1:{replay_port}")
-            self.lock = threading.Lock()
             self.thread = threading.Thread(target=self._serve, daemon=True)
             self.thread.start()
 
@@ -88,7 +87,7 @@ class Server:
         return self
 
     def hold(self, seqs) -> None:
-        with getattr(self, "lock", threading.Lock()):
+        with self.lock:
             self.buffer += list(seqs)
 
     def publish(self, seqs) -> None:
@@ -320,7 +319,8 @@ def run_in_terminal(args, action, *, timeout_s: float = 30.0):
             env = dict(os.environ, PYTHONPATH=str(ROOT), TERM="xterm-256color",
                        COLUMNS="100", LINES="30")
             os.chdir(ROOT)
-            os.execve(sys.executable, [sys.executable, "-m", "kvref.cli", "watch", *map(str, args)], env)
+            os.execve(sys.executable,
+                      [sys.executable, "-m", "kvref.cli", "watch", *map(str, args)], env)
         finally:
             os._exit(127)                         # never back into pytest
     written, acted = b"", False
